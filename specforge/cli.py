@@ -1,0 +1,120 @@
+"""The ``specforge`` command: one subcommand per pipeline stage.
+
+Every subcommand takes ``--config FILE.yaml`` plus dotted overrides (``data.max_length=1024``);
+its own flags are shorthands for the most used overrides and win over both.
+
+    specforge prepare --target smollm2-135m --regenerate --limit 16 --output data.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from specforge.config import ConfigError, load_config
+
+
+def _prepare_parser(sub) -> None:
+    p = sub.add_parser(
+        "prepare",
+        help="read conversations, optionally self-distill them with the target, print statistics",
+        description="Read conversations (files, HF datasets, or the built-in prompts when none "
+        "are given), optionally regenerate the assistant turns with the target, write them as "
+        "OpenAI-messages JSONL and print token statistics.",
+    )
+    p.add_argument("--config", help="YAML recipe (see configs/)")
+    p.add_argument("--target", help="HF model id, local folder, or smollm2-135m")
+    p.add_argument("--data", nargs="+", metavar="SOURCE", help=".json/.jsonl files or HF datasets")
+    p.add_argument("--output", help="conversations JSONL to write")
+    p.add_argument(
+        "--regenerate", action="store_true", help="answer every user turn with the target"
+    )
+    p.add_argument("--limit", type=int, help="use only the first N conversations")
+    p.add_argument("--max-new-tokens", type=int, help="answer length limit when regenerating")
+    p.add_argument("--batch-size", type=int, help="conversations generated together")
+    p.add_argument("--max-length", type=int, help="tokens per training sample")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", help="torch device for the target")
+    p.add_argument("--draft-vocab-size", type=int)
+    p.add_argument("--vocab-output", help="also write the draft vocabulary map (safetensors)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    p.set_defaults(run=_run_prepare)
+
+
+PREPARE_FLAGS = {
+    "target": "target.name_or_path",
+    "output": "prepare.output",
+    "limit": "data.limit",
+    "max_new_tokens": "regenerate.max_new_tokens",
+    "batch_size": "regenerate.batch_size",
+    "max_length": "data.max_length",
+    "dtype": "target.dtype",
+    "device": "target.device",
+    "draft_vocab_size": "vocab.draft_vocab_size",
+    "vocab_output": "prepare.vocab_output",
+}
+
+
+def _flag_overrides(args: argparse.Namespace, table: dict[str, str]) -> list[str]:
+    """Turn set flags into dotted overrides (JSON-quoted so strings stay strings)."""
+    return [
+        f"{key}={json.dumps(getattr(args, flag))}"
+        for flag, key in table.items()
+        if getattr(args, flag) is not None
+    ]
+
+
+def _run_prepare(args: argparse.Namespace) -> int:
+    from specforge.prepare import prepare
+
+    overrides = list(args.overrides) + _flag_overrides(args, PREPARE_FLAGS)
+    if args.data:
+        overrides.append(f"data.inputs={json.dumps(args.data)}")
+    if args.regenerate:
+        overrides.append("regenerate.enabled=true")
+    cfg = load_config(args.config, overrides)
+    result = prepare(cfg)
+    print(f"\nwrote {result.output}")
+    _print_stats(result.stats)
+    return 0
+
+
+def _print_stats(stats: dict) -> None:
+    for section in ("regenerate", "tokens", "vocab", "timings_s"):
+        if section not in stats:
+            continue
+        print(f"\n{section}")
+        for key, value in stats[section].items():
+            print(f"  {key:<28} {value}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specforge", description="Train and evaluate EAGLE-3 draft models."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _prepare_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        return args.run(args)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        if args.verbose:
+            raise
+        print(f"specforge {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""Typed configuration: dataclasses, YAML loading and dotted command-line overrides.
+
+One config tree serves every stage. A YAML file holds the sections below; the command line adds
+``section.field=value`` overrides (``data.max_length=1024``). Unknown keys and values of the wrong
+type are errors that name the offending key, so a typo never silently falls back to a default.
+
+Example::
+
+    cfg = load_config("configs/smollm2-135m-eagle3.yaml", ["regenerate.max_new_tokens=64"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+Dtype = Literal["bfloat16", "float16", "float32"]
+
+
+class ConfigError(ValueError):
+    """A config file or override names an unknown key or holds a value of the wrong type."""
+
+
+@dataclass
+class TargetConfig:
+    """The frozen target model whose hidden states the draft learns from."""
+
+    name_or_path: str = "smollm2-135m"
+    """An HF model id, a local HF folder, or an embedded default name (``smollm2-135m``)."""
+    dtype: Dtype = "bfloat16"
+    """Weights and compute dtype of the target. Exact-equality checks want ``float32``."""
+    device: str = "cpu"
+    """Torch device for the target (``cpu``, ``cuda``, ``cuda:1``)."""
+    trust_remote_code: bool = False
+    """Allow model code from the checkpoint folder. Off unless you trust the source."""
+    aux_layer_ids: list[int] | None = None
+    """Decoder layers whose output residual stream feeds the draft (DESIGN §3.1).
+    ``None`` means the default ``[1, L//2 - 1, L - 4]``."""
+
+    def __post_init__(self) -> None:
+        if not self.name_or_path:
+            raise ConfigError("target.name_or_path must not be empty")
+        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
+            raise ConfigError(
+                f"target.aux_layer_ids must list 3 layer ids, got {self.aux_layer_ids!r}"
+            )
+
+
+@dataclass
+class DataConfig:
+    """Where conversations come from and how they are tokenized."""
+
+    inputs: list[str] = field(default_factory=list)
+    """Conversation sources: ``.json``/``.jsonl`` files, folders written by
+    ``datasets.save_to_disk``, or HF dataset names. Empty means the built-in prompt set."""
+    split: str = "train"
+    """Split to read from HF datasets (ignored for local files)."""
+    format: Literal["auto", "sharegpt", "openai", "ultrachat"] = "auto"
+    """Record layout; ``auto`` detects it per record."""
+    builtin_split: Literal["train", "eval", "all"] = "train"
+    """Which part of the built-in prompt set to use when ``inputs`` is empty. ``eval`` is held
+    out from training for the accept-length benchmark."""
+    limit: int | None = None
+    """Use only the first ``limit`` conversations (after reading, before regenerating)."""
+    max_length: int = 2048
+    """Tokens per training sample; longer samples are truncated and counted."""
+    chat_template: str | None = None
+    """A Jinja chat template (a file path or the template text) for tokenizers without one,
+    or to override the tokenizer's own."""
+    system_prompt: str | None = None
+    """A system message prepended to conversations that have none. ``None`` keeps the
+    template's default behaviour."""
+
+    def __post_init__(self) -> None:
+        if self.max_length < 2:
+            raise ConfigError(f"data.max_length must be >= 2, got {self.max_length}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"data.limit must be >= 1 or null, got {self.limit}")
+
+
+@dataclass
+class RegenerateConfig:
+    """Self-distillation: the target answers every user turn itself."""
+
+    enabled: bool = False
+    """Replace the assistant turns of the input with the target's own answers."""
+    max_new_tokens: int = 256
+    """Longest answer generated per user turn."""
+    batch_size: int = 8
+    """Conversations generated together (left-padded)."""
+    temperature: float = 0.0
+    """0 means greedy decoding; > 0 samples at this temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold when sampling."""
+    seed: int = 0
+    """Seed for sampling (each batch reseeds with ``seed + batch index``)."""
+    max_prompt_length: int = 1536
+    """A conversation whose prompt grows past this many tokens stops at that turn."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"regenerate.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.batch_size < 1:
+            raise ConfigError(f"regenerate.batch_size must be >= 1, got {self.batch_size}")
+        if self.temperature < 0:
+            raise ConfigError(f"regenerate.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"regenerate.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class VocabConfig:
+    """The draft vocabulary: the most frequent target tokens (DESIGN §3.4)."""
+
+    draft_vocab_size: int = 32000
+    """Rows of the draft's ``lm_head``; capped at the target's vocabulary size."""
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab_size < 1:
+            raise ConfigError(f"vocab.draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+
+
+@dataclass
+class PrepareConfig:
+    """Where ``specforge prepare`` writes its results."""
+
+    output: str | None = None
+    """Conversations JSONL written by prepare; defaults to ``<output_dir>/conversations.jsonl``."""
+    vocab_output: str | None = None
+    """If set, also write the draft vocabulary map (``d2t``/``t2d`` safetensors) here."""
+
+
+@dataclass
+class SpecForgeConfig:
+    """The whole recipe: one section per stage."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    output_dir: str = "outputs/specforge"
+    """Directory for everything the recipe writes."""
+
+    @property
+    def conversations_path(self) -> Path:
+        """The conversations file prepare writes and later stages read."""
+        if self.prepare.output:
+            return Path(self.prepare.output)
+        return Path(self.output_dir) / "conversations.jsonl"
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None):
+    """Build a :class:`SpecForgeConfig` from a YAML file plus dotted overrides.
+
+    Args:
+        path: YAML file, or ``None`` for the defaults.
+        overrides: ``key.sub=value`` strings; values are parsed as YAML scalars/lists.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: unknown key, wrong type, bad value, or an unreadable file.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(
+                f"{path}: the top level must be a mapping, got {type(loaded).__name__}"
+            )
+        raw = loaded or {}
+    for item in overrides or []:
+        apply_override(raw, item)
+    return from_dict(SpecForgeConfig, raw)
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set ``a.b.c=value`` in a nested dict (creating sections as needed)."""
+    key, sep, text = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override must look like section.key=value, got {item!r}")
+    value = yaml.safe_load(text) if text.strip() else None
+    node = raw
+    *parents, leaf = key.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def from_dict(cls: type, raw: Any, prefix: str = ""):
+    """Build dataclass ``cls`` from a dict, checking keys and types recursively."""
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key {prefix}{unknown[0]!s}"
+            f" (known keys of {where}: {', '.join(sorted(names))})"
+        )
+    kwargs = {name: _check(hints[name], value, f"{prefix}{name}") for name, value in raw.items()}
+    return cls(**kwargs)
+
+
+def _check(tp: Any, value: Any, key: str) -> Any:
+    """Return ``value`` converted to type ``tp`` or raise a ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, f"{key}.")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{key} must not be null")
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check(arg, value, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0])
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key} must be one of {list(choices)}, got {value!r}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_check(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        # PyYAML reads "3e-4" as a string (YAML 1.1); accept numeric strings for float fields.
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{key} must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp!r} for {key}")  # a bug in this module
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain data (for saving next to checkpoints and outputs)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,202 @@
+"""Chat-template tokenization with a loss mask over assistant tokens.
+
+The loss mask holds exactly the tokens of each assistant message's content plus the token(s)
+that end the assistant turn (SmolLM2/ChatML: ``<|im_end|>``; Llama 3: ``<|eot_id|>``). It does
+not hold the role header (``<|im_start|>assistant\\n``) nor whitespace the template writes after
+the end-of-turn token: the draft never has to predict those at serving time.
+
+How the spans are found, for any template: for assistant message ``i`` the template is rendered
+for ``messages[:i]`` with the generation prompt (the text before the answer) and for
+``messages[: i + 1]`` (the text through the answer). The answer span is the difference, with
+trailing whitespace dropped. Both renders must be prefixes of the full conversation's render; a
+template that rewrites earlier turns (e.g. one that strips past reasoning) is reported as an
+error instead of producing a wrong mask. Tokens are assigned to spans by their character offsets
+in the full render, which is tokenized once exactly as ``apply_chat_template`` would.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specforge.data.conversations import Conversation
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenizedSample:
+    """One conversation as training input."""
+
+    id: str
+    input_ids: torch.Tensor
+    """(T,) int64 token ids of the rendered conversation."""
+    loss_mask: torch.Tensor
+    """(T,) bool, True on assistant content and end-of-turn tokens."""
+    truncated: bool = False
+
+
+@dataclass
+class TokenizeStats:
+    """Counts over a tokenized dataset (printed by ``specforge prepare``)."""
+
+    conversations: int = 0
+    samples: int = 0
+    tokens: int = 0
+    assistant_tokens: int = 0
+    truncated: int = 0
+    skipped_no_assistant: int = 0
+    max_tokens: int = 0
+    skipped_ids: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "conversations": self.conversations,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "assistant_tokens": self.assistant_tokens,
+            "mean_tokens": round(self.tokens / max(self.samples, 1), 1),
+            "max_tokens": self.max_tokens,
+            "truncated": self.truncated,
+            "skipped_no_assistant": self.skipped_no_assistant,
+        }
+
+
+def set_chat_template(tokenizer, chat_template: str | None) -> None:
+    """Install a user-supplied template (a file path or the template text), or check that the
+    tokenizer has one.
+
+    Raises:
+        ValueError: no template anywhere.
+    """
+    if chat_template:
+        path = Path(chat_template)
+        looks_like_path = "{" not in chat_template and len(chat_template) < 4096
+        if looks_like_path and path.is_file():
+            chat_template = path.read_text(encoding="utf-8")
+        elif looks_like_path:
+            raise ValueError(f"chat template file not found: {chat_template}")
+        tokenizer.chat_template = chat_template
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template; "
+            "set data.chat_template to a Jinja template (file path or text)"
+        )
+
+
+def with_system_prompt(messages: list[dict[str, str]], system_prompt: str | None):
+    """Prepend ``system_prompt`` when given and the conversation has no system message."""
+    if system_prompt is None or (messages and messages[0]["role"] == "system"):
+        return messages
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
+def render(tokenizer, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
+    """The chat template's text for ``messages``."""
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def assistant_char_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple]]:
+    """The full rendered text and the ``[start, end)`` character span of every assistant answer
+    (content + end-of-turn marker).
+
+    Raises:
+        ValueError: the template does not render turns as stable prefixes.
+    """
+    full = render(tokenizer, messages, add_generation_prompt=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(tokenizer, messages[:i], add_generation_prompt=True)
+        through = render(tokenizer, messages[: i + 1], add_generation_prompt=False).rstrip()
+        if not (full.startswith(through) and through.startswith(before)):
+            raise ValueError(
+                f"the chat template does not render assistant turn {i} as a prefix of the whole "
+                "conversation, so its loss mask cannot be located; supply data.chat_template"
+            )
+        spans.append((len(before), len(through)))
+    return full, spans
+
+
+def tokenize_conversation(
+    tokenizer,
+    conversation: Conversation,
+    *,
+    max_length: int,
+    system_prompt: str | None = None,
+) -> TokenizedSample:
+    """Render one conversation with the chat template and build its loss mask.
+
+    Args:
+        tokenizer: a fast (Rust-backed) HF tokenizer with a chat template.
+        conversation: the conversation; assistant turns are what the loss covers.
+        max_length: longer samples are truncated to this many tokens (``truncated`` is set).
+        system_prompt: prepended when the conversation has no system message.
+
+    Returns:
+        The sample; its mask may be empty when no assistant token survives.
+    """
+    messages = with_system_prompt(conversation.messages, system_prompt)
+    full, spans = assistant_char_spans(tokenizer, messages)
+    encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = torch.tensor(encoding["input_ids"], dtype=torch.long)
+    starts = torch.tensor([start for start, _ in encoding["offset_mapping"]], dtype=torch.long)
+    loss_mask = torch.zeros(len(input_ids), dtype=torch.bool)
+    for span_start, span_end in spans:
+        loss_mask |= (starts >= span_start) & (starts < span_end)
+    truncated = len(input_ids) > max_length
+    return TokenizedSample(
+        id=conversation.id,
+        input_ids=input_ids[:max_length],
+        loss_mask=loss_mask[:max_length],
+        truncated=truncated,
+    )
+
+
+def tokenize_conversations(
+    tokenizer,
+    conversations: Iterable[Conversation],
+    *,
+    max_length: int,
+    system_prompt: str | None = None,
+) -> tuple[list[TokenizedSample], TokenizeStats]:
+    """Tokenize many conversations, dropping (and counting) those with no assistant token left.
+
+    Truncations are counted and logged, never silent.
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("loss masks need a fast tokenizer (character offsets); got a slow one")
+    stats = TokenizeStats()
+    samples = []
+    for conversation in conversations:
+        stats.conversations += 1
+        sample = tokenize_conversation(
+            tokenizer, conversation, max_length=max_length, system_prompt=system_prompt
+        )
+        stats.truncated += sample.truncated
+        if not sample.loss_mask.any():
+            stats.skipped_no_assistant += 1
+            stats.skipped_ids.append(sample.id)
+            continue
+        samples.append(sample)
+        stats.samples += 1
+        stats.tokens += len(sample.input_ids)
+        stats.assistant_tokens += int(sample.loss_mask.sum())
+        stats.max_tokens = max(stats.max_tokens, len(sample.input_ids))
+    if stats.truncated:
+        logger.warning("%d samples were truncated to max_length=%d", stats.truncated, max_length)
+    if stats.skipped_no_assistant:
+        logger.warning(
+            "%d conversations had no assistant token (within max_length) and were skipped; "
+            "first: %s",
+            stats.skipped_no_assistant,
+            ", ".join(stats.skipped_ids[:5]),
+        )
+    return samples, stats

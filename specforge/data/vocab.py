@@ -1,0 +1,167 @@
+"""The draft vocabulary: the ``draft_vocab_size`` most frequent target tokens (DESIGN §3.4).
+
+Frequencies are counted over **assistant tokens only** (the loss mask), because those are what
+the draft predicts. The selection is deterministic: by count, ties broken by the smaller id; the
+tokens that end a turn are always included (they replace the least frequent picks if needed);
+a size larger than the number of distinct seen tokens is filled with unseen ids in id order.
+
+The map follows SGLang/SpecForge: the selected target ids sorted ascending are ``hot_ids``;
+``d2t[d] = hot_ids[d] - d`` (so target id = ``d + d2t[d]``); ``t2d[t]`` says whether target id
+``t`` is in the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class VocabMap:
+    """The draft <-> target vocabulary maps."""
+
+    d2t: torch.Tensor
+    """(draft_vocab_size,) int64 offsets: target id = draft id + d2t[draft id]."""
+    t2d: torch.Tensor
+    """(vocab_size,) bool: target id is in the draft vocabulary."""
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.d2t.numel()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.t2d.numel()
+
+    @property
+    def hot_ids(self) -> torch.Tensor:
+        """(draft_vocab_size,) int64 target ids of the draft vocabulary, ascending."""
+        return torch.arange(self.draft_vocab_size, dtype=torch.long) + self.d2t
+
+    def check(self) -> None:
+        """Raise ValueError unless the maps are consistent with each other."""
+        hot = self.hot_ids
+        if self.d2t.dtype != torch.long or self.t2d.dtype != torch.bool:
+            raise ValueError(
+                f"d2t must be int64 and t2d bool, got {self.d2t.dtype}, {self.t2d.dtype}"
+            )
+        if hot.numel() and (hot.min() < 0 or hot.max() >= self.vocab_size):
+            raise ValueError("d2t maps draft ids outside the target vocabulary")
+        if hot.unique().numel() != hot.numel():
+            raise ValueError("d2t maps two draft ids to the same target id")
+        if int(self.t2d.sum()) != self.draft_vocab_size or not bool(self.t2d[hot].all()):
+            raise ValueError("t2d does not mark exactly the target ids that d2t reaches")
+
+
+def count_token_frequencies(
+    samples: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int
+) -> torch.Tensor:
+    """Count target tokens under the loss mask.
+
+    Args:
+        samples: ``(input_ids, loss_mask)`` pairs, each ``(T,)``.
+        vocab_size: the target's vocabulary size.
+
+    Returns:
+        (vocab_size,) int64 counts.
+    """
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for input_ids, loss_mask in samples:
+        ids = input_ids[loss_mask.bool()]
+        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(f"token id {int(ids.max())} is outside vocab_size={vocab_size}")
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def build_vocab_map(
+    counts: torch.Tensor,
+    draft_vocab_size: int,
+    *,
+    always_include: Iterable[int] = (),
+) -> VocabMap:
+    """Select the draft vocabulary from token counts.
+
+    Args:
+        counts: (vocab_size,) token counts (see :func:`count_token_frequencies`).
+        draft_vocab_size: how many target ids the draft predicts; at most ``vocab_size``.
+        always_include: target ids kept whatever their count (the end-of-turn tokens).
+
+    Returns:
+        The vocabulary map.
+
+    Raises:
+        ValueError: a size out of range or an ``always_include`` id outside the vocabulary.
+    """
+    vocab_size = counts.numel()
+    if not 1 <= draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft_vocab_size must be in 1..{vocab_size}, got {draft_vocab_size}")
+    forced = sorted(set(int(i) for i in always_include))
+    for i in forced:
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"always-included token id {i} is outside vocab_size={vocab_size}")
+    if len(forced) > draft_vocab_size:
+        raise ValueError(
+            f"draft_vocab_size={draft_vocab_size} cannot hold the {len(forced)} forced ids {forced}"
+        )
+    # Rank by count (descending), then id (ascending): a stable sort on -count keeps id order.
+    order = torch.sort(-counts, stable=True).indices
+    seen = int((counts > 0).sum())
+    if draft_vocab_size > seen:
+        logger.info(
+            "draft_vocab_size=%d exceeds the %d distinct assistant tokens seen; the remaining "
+            "%d slots take unseen ids in id order",
+            draft_vocab_size,
+            seen,
+            draft_vocab_size - seen,
+        )
+    chosen = [int(i) for i in order[:draft_vocab_size]]
+    missing = [i for i in forced if i not in set(chosen)]
+    if missing:
+        kept = [i for i in chosen if i not in forced][: draft_vocab_size - len(forced)]
+        chosen = kept + forced
+    hot_ids = torch.tensor(sorted(chosen), dtype=torch.long)
+    d2t = hot_ids - torch.arange(draft_vocab_size, dtype=torch.long)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[hot_ids] = True
+    vocab_map = VocabMap(d2t=d2t, t2d=t2d)
+    vocab_map.check()
+    return vocab_map
+
+
+def save_vocab_map(vocab_map: VocabMap, path: str | Path) -> None:
+    """Write ``d2t``/``t2d`` to a safetensors file (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({"d2t": vocab_map.d2t.contiguous(), "t2d": vocab_map.t2d.contiguous()}, str(tmp))
+    tmp.replace(path)
+
+
+def load_vocab_map(path: str | Path) -> VocabMap:
+    """Read and check a map written by :func:`save_vocab_map`."""
+    tensors = load_file(str(path))
+    missing = {"d2t", "t2d"} - set(tensors)
+    if missing:
+        raise ValueError(f"{path}: not a vocab map, missing {sorted(missing)}")
+    vocab_map = VocabMap(d2t=tensors["d2t"], t2d=tensors["t2d"])
+    vocab_map.check()
+    return vocab_map
+
+
+def end_of_turn_ids(tokenizer, generation_config=None) -> list[int]:
+    """The ids that end an assistant turn: the tokenizer's EOS plus the generation config's."""
+    ids = set()
+    for source in (tokenizer, generation_config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update(eos if isinstance(eos, list) else [eos])
+    return sorted(int(i) for i in ids)

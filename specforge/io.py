@@ -1,0 +1,37 @@
+"""Atomic file writes: everything the project writes goes through a temp file and a rename, so
+an interrupted run never leaves a half-written file where a finished one is expected."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same folder, fsync and rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_jsonl_atomic(path: str | Path, records: Iterable[dict[str, Any]]) -> None:
+    """Write one JSON object per line to ``path`` atomically."""
+    write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    """Write ``data`` as indented JSON to ``path`` atomically."""
+    write_text_atomic(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")

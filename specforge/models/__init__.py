@@ -1,0 +1,1 @@
+"""Models: the frozen target (loading, aux hidden-state capture) and the EAGLE-3 draft."""

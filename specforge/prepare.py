@@ -1,0 +1,127 @@
+"""The ``prepare`` stage: conversations in, a clean conversations JSONL + statistics out.
+
+1. read conversations (files, HF datasets, or the built-in prompts);
+2. optionally regenerate every assistant turn with the target (self-distillation);
+3. write the conversations as OpenAI-messages JSONL (atomically);
+4. tokenize them with the target's chat template and count tokens under the loss mask;
+5. optionally write the draft vocabulary map (``d2t``/``t2d``) from those counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specforge.config import SpecForgeConfig, to_dict
+from specforge.data.chat import set_chat_template, tokenize_conversations
+from specforge.data.conversations import Conversation, load_conversations
+from specforge.data.regenerate import read_records, regenerate_conversations
+from specforge.data.vocab import (
+    build_vocab_map,
+    count_token_frequencies,
+    end_of_turn_ids,
+    save_vocab_map,
+)
+from specforge.io import write_json_atomic, write_jsonl_atomic
+from specforge.models.target import load_target, load_target_config, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrepareResult:
+    """Where prepare wrote its results and what it counted."""
+
+    output: Path
+    stats: dict[str, Any] = field(default_factory=dict)
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+
+def prepare(cfg: SpecForgeConfig) -> PrepareResult:
+    """Run the prepare stage described by ``cfg`` (see the module docstring).
+
+    Returns:
+        The output path, statistics and per-step timings; the statistics are also written to
+        ``<output>.stats.json``.
+    """
+    output = cfg.conversations_path
+    result = PrepareResult(output=output)
+    clock = time.perf_counter()
+
+    conversations = load_conversations(
+        cfg.data.inputs,
+        fmt=cfg.data.format,
+        split=cfg.data.split,
+        builtin_split=cfg.data.builtin_split,
+        limit=cfg.data.limit,
+    )
+    source = ", ".join(cfg.data.inputs) or f"built-in prompts ({cfg.data.builtin_split} split)"
+    logger.info("read %d conversations from %s", len(conversations), source)
+
+    if cfg.regenerate.enabled:
+        model, tokenizer = load_target(
+            cfg.target.name_or_path,
+            dtype=cfg.target.dtype,
+            device=cfg.target.device,
+            trust_remote_code=cfg.target.trust_remote_code,
+        )
+        result.timings_s["load_target"] = time.perf_counter() - clock
+        set_chat_template(tokenizer, cfg.data.chat_template)
+        clock = time.perf_counter()
+        report = regenerate_conversations(
+            model,
+            tokenizer,
+            conversations,
+            output,
+            cfg.regenerate,
+            system_prompt=cfg.data.system_prompt,
+            target_name=cfg.target.name_or_path,
+        )
+        result.timings_s["regenerate"] = time.perf_counter() - clock
+        result.stats["regenerate"] = report.as_dict()
+        written = [Conversation(r["id"], r["messages"]) for r in read_records(output)]
+    else:
+        tokenizer = load_tokenizer(
+            cfg.target.name_or_path,
+            dtype=cfg.target.dtype,
+            trust_remote_code=cfg.target.trust_remote_code,
+        )
+        set_chat_template(tokenizer, cfg.data.chat_template)
+        write_jsonl_atomic(output, (c.to_json() for c in conversations))
+        written = conversations
+
+    clock = time.perf_counter()
+    samples, token_stats = tokenize_conversations(
+        tokenizer, written, max_length=cfg.data.max_length, system_prompt=cfg.data.system_prompt
+    )
+    result.timings_s["tokenize"] = time.perf_counter() - clock
+    result.stats["tokens"] = token_stats.as_dict()
+
+    if cfg.prepare.vocab_output:
+        vocab_size = load_target_config(
+            cfg.target.name_or_path,
+            dtype=cfg.target.dtype,
+            trust_remote_code=cfg.target.trust_remote_code,
+        ).vocab_size
+        counts = count_token_frequencies(((s.input_ids, s.loss_mask) for s in samples), vocab_size)
+        draft_vocab_size = min(cfg.vocab.draft_vocab_size, vocab_size)
+        vocab_map = build_vocab_map(
+            counts, draft_vocab_size, always_include=end_of_turn_ids(tokenizer)
+        )
+        save_vocab_map(vocab_map, cfg.prepare.vocab_output)
+        covered = counts[vocab_map.t2d].sum() / counts.sum().clamp(min=1)
+        result.stats["vocab"] = {
+            "path": cfg.prepare.vocab_output,
+            "draft_vocab_size": draft_vocab_size,
+            "distinct_assistant_tokens": int((counts > 0).sum()),
+            "assistant_token_coverage": round(float(covered), 4),
+        }
+
+    result.stats["timings_s"] = {k: round(v, 1) for k, v in result.timings_s.items()}
+    result.stats["config"] = to_dict(cfg)
+    stats_path = output.with_name(output.stem + ".stats.json")
+    write_json_atomic(stats_path, result.stats)
+    return result

@@ -1,0 +1,2 @@
+"""Serving: export for SGLang/vLLM, the speculative runtime and the accept-length benchmark
+(export/runtime issue)."""

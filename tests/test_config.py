@@ -1,0 +1,84 @@
+from pathlib import Path
+
+import pytest
+
+from specforge.config import ConfigError, SpecForgeConfig, load_config
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+
+
+def test_configs_exist():
+    assert any(p.name == "smollm2-135m-eagle3.yaml" for p in CONFIGS)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_loads_and_opens_with_its_command(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, SpecForgeConfig)
+    first_line = path.read_text().splitlines()[0]
+    assert first_line.startswith("# ") and "--config configs/" + path.name in first_line
+
+
+def test_defaults_without_file():
+    cfg = load_config()
+    assert cfg.target.name_or_path == "smollm2-135m"
+    assert cfg.conversations_path == Path("outputs/specforge/conversations.jsonl")
+
+
+def test_dotted_overrides_win_and_are_typed(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  max_length: 512\nregenerate:\n  temperature: 0.5\n")
+    cfg = load_config(
+        path,
+        [
+            "data.max_length=1024",
+            "regenerate.top_p=9e-1",
+            "data.inputs=[a.jsonl, b.json]",
+            "target.aux_layer_ids=[1, 5, 9]",
+            "prepare.output=out.jsonl",
+        ],
+    )
+    assert cfg.data.max_length == 1024
+    assert cfg.regenerate.temperature == 0.5
+    assert cfg.regenerate.top_p == pytest.approx(0.9)  # "9e-1" is a YAML string: still a float
+    assert cfg.data.inputs == ["a.jsonl", "b.json"]
+    assert cfg.target.aux_layer_ids == [1, 5, 9]
+    assert cfg.conversations_path == Path("out.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.max_lenght=5", "unknown config key data.max_lenght"),
+        ("nosuch.key=1", "unknown config key nosuch"),
+        ("data.max_length=abc", "data.max_length must be an integer"),
+        ("data.max_length=1.5", "data.max_length must be an integer"),
+        ("regenerate.enabled=maybe", "regenerate.enabled must be true or false"),
+        ("data.format=csv", "data.format must be one of"),
+        ("data.inputs=x.jsonl", "data.inputs must be a list"),
+        ("target.aux_layer_ids=[1, x, 3]", "target.aux_layer_ids[1] must be an integer"),
+        ("regenerate.top_p=2", "regenerate.top_p must be in (0, 1]"),
+        ("data.max_length", "override must look like section.key=value"),
+        ("data=3", "data must be a mapping"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert message in str(info.value)
+
+
+def test_unknown_key_in_file_is_rejected(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("target:\n  name_or_path: x\n  dtyp: float32\n")
+    with pytest.raises(ConfigError, match="unknown config key target.dtyp"):
+        load_config(path)
+
+
+def test_missing_file_and_non_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(path)

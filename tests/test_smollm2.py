@@ -1,0 +1,132 @@
+"""The real embedded default target, SmolLM2-135M-Instruct (slow: loads ~260 MB)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specforge.data.chat import tokenize_conversation
+from specforge.data.conversations import Conversation
+from specforge.models.target import (
+    capture_hidden_states,
+    default_aux_layer_ids,
+    embedded_target_dir,
+    load_target,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_target("smollm2-135m", dtype="float32")
+
+
+def test_conversion_is_cached_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECFORGE_CACHE", str(tmp_path))
+    folder = embedded_target_dir("smollm2-135m", "bfloat16")
+    assert folder.parent == tmp_path / "targets"
+    weights = folder / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert 200e6 < weights.stat().st_size < 320e6  # bf16, 135M parameters
+    assert embedded_target_dir("smollm2-135m", "bfloat16") == folder
+    assert weights.stat().st_mtime_ns == stamp  # the second load did not convert again
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temp leftovers
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["num_hidden_layers"] == 30 and config["hidden_size"] == 576
+    assert config["vocab_size"] == 49152 and config["tie_word_embeddings"] is True
+
+
+def test_model_and_tokenizer(smollm2):
+    model, tokenizer = smollm2
+    assert model.config.rope_parameters["rope_theta"] == 100000.0
+    assert default_aux_layer_ids(model.config.num_hidden_layers) == [1, 14, 26]
+    # Digits are split one by one, as llama.cpp tokenizes SmolLM2.
+    ids = tokenizer("year 2024, pi 3.14159", add_special_tokens=False)["input_ids"]
+    digits = [t for t in tokenizer.convert_ids_to_tokens(ids) if t.strip("Ġ").isdigit()]
+    assert digits == list("2024314159")
+
+
+def test_capture_on_the_real_target(smollm2):
+    model, tokenizer = smollm2
+    ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    states = capture_hidden_states(model, ids, aux_layer_ids=[1, 14, 26])
+    with torch.no_grad():
+        reference = model(ids, output_hidden_states=True)
+    for slot, layer in enumerate([1, 14, 26]):
+        torch.testing.assert_close(
+            states.aux_hidden_states[..., slot * 576 : (slot + 1) * 576],
+            reference.hidden_states[layer + 1],
+        )
+    next_token = model.lm_head(states.last_hidden_state[0, -1]).argmax()
+    assert tokenizer.decode(next_token).strip() == "Paris"
+
+
+def test_real_template_mask_token_by_token(smollm2):
+    _, tokenizer = smollm2
+    conversation = Conversation(
+        "c",
+        [
+            {"role": "user", "content": "Add 12 and 30."},
+            {"role": "assistant", "content": "12 + 30 = 42."},
+            {"role": "user", "content": "Now say it in words."},
+            {"role": "assistant", "content": "Forty-two."},
+        ],
+    )
+    sample = tokenize_conversation(tokenizer, conversation, max_length=4096)
+    tokens = tokenizer.convert_ids_to_tokens(sample.input_ids.tolist())
+    mask = sample.loss_mask.tolist()
+    # Reference: the tokens of "<content><|im_end|>" follow each "<|im_start|>assistant\n".
+    expected = [False] * len(tokens)
+    for answer in ("12 + 30 = 42.", "Forty-two."):
+        answer_ids = tokenizer(answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        header_ids = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        pattern = header_ids + answer_ids
+        ids = sample.input_ids.tolist()
+        start = next(i for i in range(len(ids)) if ids[i : i + len(pattern)] == pattern)
+        for i in range(start + len(header_ids), start + len(pattern)):
+            expected[i] = True
+    assert mask == expected, list(zip(tokens, mask, strict=True))
+    assert tokens[-1] == "Ċ" and not mask[-1]  # newline after the last <|im_end|>
+    reference = tokenizer.apply_chat_template(conversation.messages, tokenize=True)
+    reference = reference["input_ids"] if hasattr(reference, "keys") else reference
+    assert sample.input_ids.tolist() == list(reference)
+
+
+def test_cli_self_distillation_resumes(tmp_path):
+    output = tmp_path / "distilled.jsonl"
+
+    def run(limit):
+        cmd = [
+            sys.executable,
+            "-m",
+            "specforge.cli",
+            "prepare",
+            "--target",
+            "smollm2-135m",
+            "--regenerate",
+            "--limit",
+            str(limit),
+            "--max-new-tokens",
+            "24",
+            "--output",
+            str(output),
+        ]
+        subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ))
+        return [json.loads(line) for line in output.read_text().splitlines()]
+
+    first = run(2)
+    second = run(3)
+    assert len(first) == 2 and len(second) == 3 and second[:2] == first
+    stats = json.loads((tmp_path / "distilled.stats.json").read_text())
+    assert stats["regenerate"]["already_done"] == 2 and stats["regenerate"]["written"] == 1
+    for record in second:
+        roles = [m["role"] for m in record["messages"]]
+        assert roles[-1] == "assistant" and set(roles) <= {"user", "assistant"}
+        answer = record["messages"][-1]["content"]
+        assert len(answer.split()) >= 3  # real text, not empty or special tokens
+        assert "<|im_end|>" not in answer
