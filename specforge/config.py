@@ -92,7 +92,7 @@ class RegenerateConfig:
     """Replace the assistant turns of the input with the target's own answers."""
     max_new_tokens: int = 256
     """Longest answer generated per user turn."""
-    batch_size: int = 8
+    batch_size: int = 16
     """Conversations generated together (left-padded)."""
     temperature: float = 0.0
     """0 means greedy decoding; > 0 samples at this temperature."""

@@ -1,0 +1,98 @@
+"""Time every step of the prepare stage on the embedded default target and write JSON + a table.
+
+    python benchmarks/prepare_stages.py --limit 16 --output outputs/bench/prepare_stages.json
+
+Steps: converting the GGUF to an HF folder (in a fresh cache, first load), loading the cached
+folder (every later load), self-distillation (generated tokens/s, batched), tokenization with
+loss masks (conversations/s), and the vocabulary map.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specforge.config import RegenerateConfig
+from specforge.data.chat import tokenize_conversations
+from specforge.data.conversations import Conversation
+from specforge.data.prompts import builtin_conversations
+from specforge.data.regenerate import read_records, regenerate_conversations
+from specforge.data.vocab import build_vocab_map, count_token_frequencies, end_of_turn_ids
+from specforge.io import write_json_atomic
+from specforge.models.target import embedded_target_dir, load_target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", type=int, default=16, help="built-in prompts to self-distill")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--output", default="outputs/bench/prepare_stages.json")
+    args = parser.parse_args()
+    rows: list[tuple[str, float, str]] = []
+
+    with tempfile.TemporaryDirectory() as fresh_cache:
+        os.environ["SPECFORGE_CACHE"] = fresh_cache
+        start = time.perf_counter()
+        folder = embedded_target_dir("smollm2-135m", args.dtype)
+        convert_s = time.perf_counter() - start
+        size_mb = sum(f.stat().st_size for f in folder.iterdir()) / 1e6
+        rows.append(("convert GGUF -> HF folder (first use)", convert_s, f"{size_mb:.0f} MB"))
+        start = time.perf_counter()
+        model, tokenizer = load_target(str(folder), dtype=args.dtype)
+        rows.append(("load cached target", time.perf_counter() - start, args.dtype))
+
+        conversations = builtin_conversations("train")[: args.limit]
+        cfg = RegenerateConfig(
+            enabled=True, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size
+        )
+        with tempfile.TemporaryDirectory() as work:
+            output = Path(work) / "distilled.jsonl"
+            report = regenerate_conversations(model, tokenizer, conversations, output, cfg)
+            written = [Conversation(r["id"], r["messages"]) for r in read_records(output)]
+        rows.append(
+            (
+                f"self-distill {args.limit} prompts (batch {args.batch_size})",
+                report.seconds,
+                f"{report.generated_tokens / report.seconds:.0f} generated tok/s",
+            )
+        )
+
+        start = time.perf_counter()
+        samples, stats = tokenize_conversations(tokenizer, written, max_length=2048)
+        tokenize_s = time.perf_counter() - start
+        rows.append(
+            ("tokenize + loss masks", tokenize_s, f"{len(written) / tokenize_s:.0f} conv/s")
+        )
+        start = time.perf_counter()
+        counts = count_token_frequencies(
+            ((s.input_ids, s.loss_mask) for s in samples), model.config.vocab_size
+        )
+        build_vocab_map(counts, 8192, always_include=end_of_turn_ids(tokenizer))
+        rows.append(("vocab map (8192)", time.perf_counter() - start, ""))
+
+    result = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "regenerate": report.as_dict(),
+        "tokens": stats.as_dict(),
+        "cached_target_mb": round(size_mb, 1),
+        "steps": [{"step": name, "seconds": round(s, 2), "note": note} for name, s, note in rows],
+    }
+    write_json_atomic(args.output, result)
+    print("\n| step | seconds | note |\n|---|---:|---|")
+    for name, seconds, note in rows:
+        print(f"| {name} | {seconds:.1f} | {note} |")
+    print(f"\nwrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
