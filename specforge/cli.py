@@ -90,6 +90,39 @@ def _print_stats(stats: dict) -> None:
             print(f"  {key:<28} {value}")
 
 
+def _train_parser(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train an EAGLE-3 draft with training-time test (online: the target runs in the step)",
+        description="Train an EAGLE-3 draft. Under torchrun every rank runs this command; DDP "
+        "uses gloo on CPU and nccl on CUDA.",
+    )
+    p.add_argument("--config", help="YAML recipe (see configs/)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--output-dir")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    p.set_defaults(run=_run_train)
+
+
+TRAIN_FLAGS = {"max_steps": "train.max_steps", "output_dir": "output_dir"}
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from specforge.trainer.train import train
+
+    overrides = list(args.overrides) + _flag_overrides(args, TRAIN_FLAGS)
+    if args.resume:
+        overrides.append("train.resume=true")
+    result = train(load_config(args.config, overrides))
+    if result["checkpoint"] is not None:
+        print(f"\ncheckpoint: {result['checkpoint']}")
+        for split in ("train", "eval"):
+            shown = {k: round(v, 4) for k, v in result[split].items() if not k.startswith("cond")}
+            print(f"{split}: {shown}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specforge", description="Train and evaluate EAGLE-3 draft models."
@@ -97,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _prepare_parser(sub)
+    _train_parser(sub)
     return parser
 
 

@@ -137,6 +137,63 @@ class PrepareConfig:
 
 
 @dataclass
+class TrainConfig:
+    """EAGLE-3 training with training-time test (DESIGN §3.3)."""
+
+    data_path: str | None = None
+    """Conversations JSONL to train on; defaults to what prepare writes
+    (``<output_dir>/conversations.jsonl``), prepared first if missing."""
+    ttt_length: int = 7
+    """Unrolled draft steps per position."""
+    step_weight: float = 0.8
+    """Step ``k`` of the unroll is weighted ``step_weight ** k``."""
+    max_steps: int = 1000
+    """Optimizer steps (the schedule spans them); the data repeats in seeded epochs."""
+    batch_size: int = 1
+    """Conversations per micro-batch on each rank (padded to the longest)."""
+    max_tokens_per_batch: int | None = None
+    """Token budget of a micro-batch (``batch_size x padded length``); longer batches are split."""
+    grad_accumulation: int = 1
+    """Micro-batches per optimizer step on each rank."""
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at ``max_steps``."""
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 0.5
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Autocast dtype of the draft's forward (weights and optimizer stay float32)."""
+    seed: int = 0
+    eval_fraction: float = 0.05
+    """Share of the conversations held out for evaluation (hash-based, stable)."""
+    eval_every: int = 100
+    log_every: int = 10
+    save_every: int = 200
+    resume: bool = False
+    """Continue from the newest checkpoint in ``<output_dir>/checkpoints``."""
+    tensorboard: bool = False
+    wandb: bool = False
+    """Log to Weights & Biases in offline mode (sync later with ``wandb sync``)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "ttt_length",
+            "max_steps",
+            "batch_size",
+            "grad_accumulation",
+            "log_every",
+            "eval_every",
+            "save_every",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"train.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+
+
+@dataclass
 class SpecForgeConfig:
     """The whole recipe: one section per stage."""
 
@@ -145,6 +202,7 @@ class SpecForgeConfig:
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     output_dir: str = "outputs/specforge"
     """Directory for everything the recipe writes."""
 

@@ -43,6 +43,7 @@ def make_tiny_llama(
     hidden: int = 64,
     seed: int = 0,
     eos_token_id: int | None = None,
+    initializer_range: float = 0.02,
 ):
     """A random Llama causal LM small enough to run many forwards per test."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -59,6 +60,7 @@ def make_tiny_llama(
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id,
         tie_word_embeddings=False,
+        initializer_range=initializer_range,
     )
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = eos_token_id

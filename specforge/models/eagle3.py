@@ -1,0 +1,410 @@
+"""The EAGLE-3 draft model (``LlamaForCausalLMEagle3`` semantics, DESIGN §3.2), top to bottom.
+
+    aux (B, T, 3*Ht) --fc--> hidden (B, T, H)          (step 0; later steps feed back own hidden)
+    embeds = embed_tokens(next token)                  (frozen copy of the target's embedding)
+    x = cat(input_layernorm(embeds), hidden_norm(hidden))          (B, T, 2H)
+    hidden = hidden + o_proj(attention(q/k/v_proj(x)))             residual from the hidden stream
+    hidden = hidden + mlp(post_attention_layernorm(hidden))        SwiGLU
+    logits = lm_head(norm(hidden))                                 (B, T, draft_vocab_size)
+
+The pre-norm ``hidden`` is what the next draft step receives (what SGLang feeds back).
+Position ``t`` receives the target feature at ``t`` and the embedding of token ``t + 1`` and
+predicts token ``t + 2``. ``d2t``/``t2d`` map the reduced draft vocabulary to target ids.
+
+Attention runs in two modes that must agree (a test pins it):
+
+- :meth:`Eagle3DraftModel.forward` with a :class:`DraftKVCache`: ordinary incremental decoding,
+  as serving runs the draft (prefix once, then one token per step);
+- :meth:`Eagle3DraftModel.ttt_step`: the training-time-test unroll, where position ``t`` at step
+  ``k`` sees the step-0 keys at positions ``<= t`` plus its own keys of steps ``1..k``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
+)
+
+
+@dataclass
+class Eagle3Config:
+    """Geometry of the draft; defaults follow the target (:meth:`from_target`)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    """The target's vocabulary size (input embedding rows, ``t2d`` length)."""
+    draft_vocab_size: int
+    """Rows of ``lm_head``: the reduced draft vocabulary."""
+    target_hidden_size: int
+    """Width of one target aux hidden state; ``fc`` takes 3x this."""
+    max_position_embeddings: int
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
+    )
+    """The target's RoPE settings (the draft runs at absolute target positions)."""
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in 1..{self.vocab_size}, got {self.draft_vocab_size}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    @classmethod
+    def from_target(cls, target_config, *, draft_vocab_size: int, **overrides) -> Eagle3Config:
+        """A draft config matching an HF target config's geometry, RoPE and vocabulary."""
+        head_dim = getattr(target_config, "head_dim", None) or (
+            target_config.hidden_size // target_config.num_attention_heads
+        )
+        rope = getattr(target_config, "rope_parameters", None) or {
+            "rope_type": "default",
+            "rope_theta": getattr(target_config, "rope_theta", 10000.0),
+        }
+        values = {
+            "hidden_size": target_config.hidden_size,
+            "intermediate_size": target_config.intermediate_size,
+            "num_attention_heads": target_config.num_attention_heads,
+            "num_key_value_heads": getattr(target_config, "num_key_value_heads", None)
+            or target_config.num_attention_heads,
+            "head_dim": head_dim,
+            "vocab_size": target_config.vocab_size,
+            "draft_vocab_size": draft_vocab_size,
+            "target_hidden_size": target_config.hidden_size,
+            "max_position_embeddings": target_config.max_position_embeddings,
+            "rope_parameters": dict(rope),
+            "rms_norm_eps": target_config.rms_norm_eps,
+            "hidden_act": getattr(target_config, "hidden_act", "silu"),
+        }
+        values.update(overrides)
+        return cls(**values)
+
+    def to_llama_config(self) -> LlamaConfig:
+        """The equivalent one-layer LlamaConfig (for transformers' RoPE, MLP and norms)."""
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters),
+            rms_norm_eps=self.rms_norm_eps,
+            hidden_act=self.hidden_act,
+            num_hidden_layers=1,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class DraftKVCache:
+    """Keys/values of the draft's single layer for incremental decoding (post-RoPE)."""
+
+    keys: torch.Tensor | None = None
+    """(B, num_key_value_heads, S, head_dim)"""
+    values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            # (B, Hkv, S, D) + (B, Hkv, T, D) -> (B, Hkv, S + T, D)
+            self.keys = torch.cat([self.keys, keys], dim=2)
+            self.values = torch.cat([self.values, values], dim=2)
+        return self.keys, self.values
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` cached positions (drop rejected draft tokens)."""
+        if self.keys is not None:
+            self.keys = self.keys[:, :, :length]
+            self.values = self.values[:, :, :length]
+
+
+@dataclass
+class TTTCache:
+    """Keys/values of every TTT step so far: step 0 over all positions, steps >= 1 diagonal."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    """Per step, (B, num_key_value_heads, T, head_dim)."""
+    values: list[torch.Tensor] = field(default_factory=list)
+
+
+class Eagle3Attention(nn.Module):
+    """Attention whose q/k/v read the ``2H``-wide concatenation of embedding and hidden."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        width = 2 * config.hidden_size
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        batch, length, _ = x.shape
+        # (B, T, 2H) -> (B, heads, T, head_dim)
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def _output(self, attn: torch.Tensor) -> torch.Tensor:
+        batch, _, length, _ = attn.shape
+        # (B, heads, T, head_dim) -> (B, T, heads * head_dim) -> (B, T, H)
+        return self.o_proj(attn.transpose(1, 2).reshape(batch, length, -1))
+
+    def forward(self, x, cos, sin, *, cache: DraftKVCache, attention_mask: torch.Tensor | None):
+        """Incremental attention: new positions attend to the cache and to each other.
+
+        ``attention_mask`` is a bool (B, 1, T_new, S_total) "may attend" mask, or ``None`` for
+        causal attention over the cache plus the new positions.
+        """
+        q, k, v = self._project(x, cos, sin)
+        past = cache.length
+        keys, values = cache.append(k, v)
+        if attention_mask is None:
+            new, total = q.shape[2], keys.shape[2]
+            # (T_new, S_total): new position i sees cached keys and new keys <= i
+            attention_mask = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(past)
+        keys = repeat_kv(keys, self.num_heads // self.num_kv_heads)
+        values = repeat_kv(values, self.num_heads // self.num_kv_heads)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask)
+        return self._output(attn)
+
+    def forward_ttt(self, x, cos, sin, *, cache: TTTCache, key_padding_mask: torch.Tensor):
+        """TTT attention at step ``k = len(cache.keys)``: position ``t`` sees the step-0 keys
+        at positions ``<= t`` (and not padding) plus its own keys of steps ``1..k``.
+
+        ``key_padding_mask``: (B, T) bool, True for real tokens.
+        """
+        q, k, v = self._project(x, cos, sin)
+        cache.keys.append(k)
+        cache.values.append(v)
+        groups = self.num_heads // self.num_kv_heads
+        scale = self.head_dim**-0.5
+        length = q.shape[2]
+        k0 = repeat_kv(cache.keys[0], groups)
+        v0 = repeat_kv(cache.values[0], groups)
+        # 1. causal scores against step 0: (B, heads, T, T)
+        scores = torch.matmul(q, k0.transpose(2, 3)) * scale
+        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        allowed = causal[None, None] & key_padding_mask[:, None, None, :]
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        # 2. diagonal scores against steps 1..k: (B, heads, T, k)
+        diagonal_keys = [repeat_kv(key, groups) for key in cache.keys[1:]]
+        diagonal = [(q * key).sum(-1, keepdim=True) * scale for key in diagonal_keys]
+        # (B, heads, T, T) + k x (B, heads, T, 1) -> (B, heads, T, T + k)
+        weights = torch.cat([scores, *diagonal], dim=-1).softmax(dim=-1, dtype=torch.float32)
+        weights = weights.to(q.dtype)
+        # 3. weighted values: step 0 by matmul, steps 1..k elementwise on the diagonal
+        attn = torch.matmul(weights[..., :length], v0)
+        for j, value in enumerate(cache.values[1:]):
+            attn = attn + weights[..., length + j : length + j + 1] * repeat_kv(value, groups)
+        return self._output(attn)
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The draft's single decoder layer (``midlayer``)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config.to_llama_config())
+
+    def forward(self, embeds, hidden, cos, sin, attend) -> torch.Tensor:
+        """``attend(x, cos, sin)`` runs one of the attention modes on the ``2H`` input."""
+        residual = hidden
+        # (B, T, H) + (B, T, H) -> (B, T, 2H)
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        hidden = residual + attend(x, cos, sin)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3DraftModel(nn.Module):
+    """The EAGLE-3 draft: ``embed_tokens`` (frozen), ``fc``, ``midlayer``, ``norm``,
+    ``lm_head`` and the ``d2t``/``t2d`` vocabulary maps."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config.to_llama_config())
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+
+    # -- small verbs ---------------------------------------------------------------------------
+
+    def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """(B, T, 3 * Ht) target aux states -> (B, T, H) draft hidden stream."""
+        return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+
+    def _hidden_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.shape[-1] == 3 * self.config.target_hidden_size:
+            return self.fuse(hidden_states)
+        return hidden_states
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) pre-norm hidden -> (B, T, draft_vocab_size) logits."""
+        return self.lm_head(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft vocabulary ids to target ids (``d + d2t[d]``)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    # -- the two attention modes ---------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        cache: DraftKVCache,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One incremental draft step over ``T`` new positions (the serving path).
+
+        Args:
+            input_ids: (B, T) the tokens whose embeddings enter (token ``t + 1`` at position t).
+            hidden_states: (B, T, 3 * Ht) target aux states, or (B, T, H) the draft's own.
+            position_ids: (B, T) absolute positions (RoPE).
+            cache: keys/values of earlier positions; extended in place.
+            attention_mask: optional bool (B, 1, T, S + T) "may attend" mask (trees); causal
+                over cache + new positions when ``None``.
+
+        Returns:
+            ``(logits (B, T, draft_vocab_size), hidden (B, T, H))``; ``hidden`` is the pre-norm
+            residual stream handed to the next step.
+        """
+        hidden = self._hidden_input(hidden_states)
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+
+        def attend(x, cos, sin):
+            return self.midlayer.self_attn(x, cos, sin, cache=cache, attention_mask=attention_mask)
+
+        hidden = self.midlayer(embeds, hidden, cos, sin, attend)
+        return self.logits(hidden), hidden
+
+    def ttt_step(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        cache: TTTCache,
+        key_padding_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One training-time-test step over the whole sequence (see module docstring).
+
+        Step ``k = len(cache.keys)`` before the call. Arguments as in :meth:`forward`, with
+        ``position_ids`` = base positions + ``k`` and ``key_padding_mask`` (B, T) bool.
+        """
+        hidden = self._hidden_input(hidden_states)
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+
+        def attend(x, cos, sin):
+            return self.midlayer.self_attn.forward_ttt(
+                x, cos, sin, cache=cache, key_padding_mask=key_padding_mask
+            )
+
+        hidden = self.midlayer(embeds, hidden, cos, sin, attend)
+        return self.logits(hidden), hidden
+
+
+def build_draft_model(
+    config: Eagle3Config,
+    *,
+    target_embedding: torch.Tensor,
+    target_lm_head: torch.Tensor,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    target_norm: torch.Tensor | None = None,
+    seed: int = 0,
+) -> Eagle3DraftModel:
+    """A fresh draft initialized from the target: the frozen embedding copied, ``lm_head`` rows
+    copied from the target's rows of the draft vocabulary (and ``norm`` from the target's final
+    norm, so that ``lm_head(norm(.))`` starts as the target's own output head), the maps
+    installed.
+
+    Args:
+        config: the draft geometry.
+        target_embedding: (V, Ht) the target's input embedding.
+        target_lm_head: (V, Ht) the target's output embedding.
+        target_norm: (Ht,) the target's final norm weight, or ``None`` to keep ones.
+        d2t: (Vd,) int64 offsets; t2d: (V,) bool (see :mod:`specforge.data.vocab`).
+        seed: initialization seed for the other weights.
+
+    Raises:
+        ValueError: shapes that do not match the config.
+    """
+    expected = (config.vocab_size, config.hidden_size)
+    for name, tensor in (
+        ("target_embedding", target_embedding),
+        ("target_lm_head", target_lm_head),
+    ):
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {expected}")
+    if d2t.shape != (config.draft_vocab_size,) or t2d.shape != (config.vocab_size,):
+        raise ValueError(
+            f"vocab maps d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match "
+            f"draft_vocab_size={config.draft_vocab_size}, vocab_size={config.vocab_size}"
+        )
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = Eagle3DraftModel(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    hot_ids = torch.arange(config.draft_vocab_size) + d2t
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target_embedding)
+        model.lm_head.weight.copy_(target_lm_head[hot_ids])
+        if target_norm is not None:
+            model.norm.weight.copy_(target_norm)
+        model.d2t.copy_(d2t)
+        model.t2d.copy_(t2d)
+    return model

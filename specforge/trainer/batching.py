@@ -1,0 +1,149 @@
+"""Deterministic, resumable batching shared by every rank.
+
+Each epoch shuffles the samples with ``seed + epoch``, groups them into micro-batches of
+``batch_size`` (split further when a micro-batch's padded size exceeds ``max_tokens_per_batch``),
+and deals them out: optimizer step ``s`` of an epoch consumes the micro-batches
+``[s * W * A, (s + 1) * W * A)`` (``W`` ranks, ``A`` accumulation steps); rank ``r`` takes the
+``a``-th of its share at index ``s * W * A + a * W + r``. So one process with ``A = 2`` and two
+processes with ``A = 1`` see the same global batch, and a resumed run recomputes its data
+position from the step number alone.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from specforge.data.chat import TokenizedSample
+
+
+@dataclass
+class Batch:
+    """A padded micro-batch (right padding)."""
+
+    input_ids: torch.Tensor
+    """(B, T) int64"""
+    attention_mask: torch.Tensor
+    """(B, T) int64, 1 for real tokens"""
+    loss_mask: torch.Tensor
+    """(B, T) bool"""
+
+    def to(self, device) -> Batch:
+        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask)))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+def collate(samples: list[TokenizedSample], pad_id: int = 0) -> Batch:
+    length = max(len(s.input_ids) for s in samples)
+    input_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(samples), length, dtype=torch.long)
+    loss_mask = torch.zeros(len(samples), length, dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        n = len(sample.input_ids)
+        input_ids[row, :n] = sample.input_ids
+        attention_mask[row, :n] = 1
+        loss_mask[row, :n] = sample.loss_mask
+    return Batch(input_ids, attention_mask, loss_mask)
+
+
+def split_train_eval(
+    samples: list[TokenizedSample], eval_fraction: float
+) -> tuple[list[TokenizedSample], list[TokenizedSample]]:
+    """Hash-based, stable split by sample id (at least one eval sample when the fraction > 0)."""
+    if eval_fraction <= 0:
+        return samples, []
+    buckets = 10_000
+    is_eval = [zlib.crc32(s.id.encode()) % buckets < eval_fraction * buckets for s in samples]
+    if not any(is_eval) and len(samples) > 1:
+        is_eval[-1] = True
+    train = [s for s, e in zip(samples, is_eval, strict=True) if not e]
+    held_out = [s for s, e in zip(samples, is_eval, strict=True) if e]
+    return train, held_out
+
+
+def epoch_micro_batches(
+    samples: list[TokenizedSample],
+    *,
+    epoch: int,
+    seed: int,
+    batch_size: int,
+    max_tokens_per_batch: int | None,
+) -> list[list[int]]:
+    """The epoch's micro-batches as lists of sample indices."""
+    generator = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(len(samples), generator=generator).tolist()
+    batches = []
+    for start in range(0, len(order), batch_size):
+        group = order[start : start + batch_size]
+        current: list[int] = []
+        for index in group:
+            longest = max([len(samples[i].input_ids) for i in current + [index]])
+            if (
+                current
+                and max_tokens_per_batch
+                and longest * (len(current) + 1) > max_tokens_per_batch
+            ):
+                batches.append(current)
+                current = []
+            current.append(index)
+        batches.append(current)
+    return batches
+
+
+class StepBatches:
+    """Micro-batches of optimizer step ``step`` for one rank, across epochs."""
+
+    def __init__(
+        self,
+        samples,
+        *,
+        seed,
+        batch_size,
+        max_tokens_per_batch,
+        world_size,
+        rank,
+        grad_accumulation,
+        pad_id=0,
+    ):
+        self.samples = samples
+        self.seed = seed
+        self.batch_size = batch_size
+        self.max_tokens_per_batch = max_tokens_per_batch
+        self.world_size = world_size
+        self.rank = rank
+        self.grad_accumulation = grad_accumulation
+        self.pad_id = pad_id
+        self._epoch_cache: dict[int, list[list[int]]] = {}
+        per_step = world_size * grad_accumulation
+        self.steps_per_epoch = len(self._epoch(0)) // per_step
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"{len(samples)} training samples make {len(self._epoch(0))} micro-batches, fewer "
+                f"than one optimizer step needs ({per_step} = ranks x grad_accumulation)"
+            )
+
+    def _epoch(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._epoch_cache:
+            self._epoch_cache = {
+                epoch: epoch_micro_batches(
+                    self.samples,
+                    epoch=epoch,
+                    seed=self.seed,
+                    batch_size=self.batch_size,
+                    max_tokens_per_batch=self.max_tokens_per_batch,
+                )
+            }
+        return self._epoch_cache[epoch]
+
+    def for_step(self, step: int) -> list[Batch]:
+        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
+        micro = self._epoch(epoch)
+        per_step = self.world_size * self.grad_accumulation
+        base = step_in_epoch * per_step
+        indices = [base + a * self.world_size + self.rank for a in range(self.grad_accumulation)]
+        return [collate([self.samples[i] for i in micro[j]], self.pad_id) for j in indices]

@@ -1,0 +1,86 @@
+"""Checkpoints: written whole into a temp folder and renamed, so a folder named ``step_N`` is
+always complete. Contents:
+
+- ``draft.safetensors``: the draft's trainable weights + ``d2t``/``t2d`` (the frozen
+  ``embed_tokens`` is the target's and is not stored);
+- ``draft_config.json``: the draft geometry (:class:`Eagle3Config`);
+- ``optimizer.pt``: AdamW state (tensors only; read with ``weights_only=True``);
+- ``rng.pt``: torch RNG state; ``trainer_state.json``: the step (the data position and the LR
+  schedule follow from it) and the config used.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specforge.io import write_json_atomic
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+FROZEN = ("embed_tokens.weight",)
+
+
+def draft_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The draft's state dict without the frozen embedding, contiguous, on CPU."""
+    return {
+        k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k not in FROZEN
+    }
+
+
+def save_checkpoint(
+    folder: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    draft_config: dict[str, Any],
+    state: dict[str, Any],
+) -> Path:
+    """Write ``folder/step_<step>`` atomically and return it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"step_{step}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}-", dir=folder))
+    try:
+        save_file(draft_state(model), str(tmp / "draft.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+        write_json_atomic(tmp / "draft_config.json", draft_config)
+        write_json_atomic(tmp / "trainer_state.json", {"step": step, **state})
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The complete checkpoint with the highest step in ``folder`` (temp folders ignored)."""
+    if not folder.is_dir():
+        return None
+    steps = [(int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_DIR.match(p.name))]
+    return max(steps)[1] if steps else None
+
+
+def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer=None) -> dict[str, Any]:
+    """Load weights (and optimizer/RNG state) from ``path``; returns the trainer state."""
+    weights = load_file(str(path / "draft.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if k not in FROZEN]
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: checkpoint does not fit the draft (missing {missing}, "
+            f"unexpected {unexpected})"
+        )
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        rng = torch.load(path / "rng.pt", weights_only=True)
+        torch.set_rng_state(rng["torch"])
+    return json.loads((path / "trainer_state.json").read_text())

@@ -1,0 +1,202 @@
+"""The training-time-test (TTT) loss of EAGLE-3 (DESIGN §3.3): a pure function of tensors.
+
+Indexing, for target tokens ``x_0 .. x_{T-1}``: at step ``k`` the draft position ``t`` receives
+token ``x_{t+1+k}`` (input ids shifted left by ``1 + k``) and, at ``k = 0``, the fused target
+feature at ``t``; at ``k > 0`` its own hidden state of step ``k - 1`` at ``t``. It predicts
+``x_{t+2+k}``, so it is scored against the target's distribution at position ``t+1+k`` (the
+target logits there predict the same token) and counts where the loss mask holds on
+``x_{t+2+k}``. Its RoPE position is ``t + k``, and it attends causally to step 0 plus
+diagonally to its own steps ``1..k``, as serving does when it extends a draft chain.
+
+Loss at step ``k``: soft cross-entropy between the draft's log-softmax over the draft vocabulary
+and the target's probabilities restricted to the draft vocabulary and renormalized, averaged over
+positions where the mask holds *and* the target's argmax lies in the draft vocabulary (EAGLE's
+and SpecForge's rule). Total: ``sum_k 0.8**k * loss_k``. Accuracy ``acc_k``: the draft's argmax,
+mapped through ``d2t``, equals the target's argmax, over all masked positions (an argmax outside
+the draft vocabulary counts as a miss, as it would be at serving time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from specforge.models.eagle3 import Eagle3DraftModel, TTTCache
+
+
+@dataclass
+class TargetDistribution:
+    """What the loss needs from the target, per position (computed once per batch)."""
+
+    probs: torch.Tensor
+    """(B, T, draft_vocab_size) float32, target probabilities renormalized on the draft vocab."""
+    argmax: torch.Tensor
+    """(B, T) the target's full-vocabulary argmax."""
+    in_draft: torch.Tensor
+    """(B, T) bool: that argmax is in the draft vocabulary."""
+
+
+@torch.no_grad()
+def target_distribution(
+    last_hidden_state: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    *,
+    hot_ids: torch.Tensor,
+    t2d: torch.Tensor,
+    chunk_size: int = 256,
+) -> TargetDistribution:
+    """The target's next-token distribution from its final hidden state and ``lm_head``.
+
+    Full-vocabulary logits exist only for ``chunk_size`` positions at a time (for the argmax);
+    what is kept is restricted to the draft vocabulary.
+
+    Args:
+        last_hidden_state: (B, T, Ht) after the target's final norm.
+        lm_head_weight: (V, Ht) the target's output embedding.
+        hot_ids: (Vd,) target ids of the draft vocabulary.
+        t2d: (V,) bool membership of target ids in the draft vocabulary.
+    """
+    batch, length, width = last_hidden_state.shape
+    flat = last_hidden_state.reshape(batch * length, width)
+    probs, argmax = [], []
+    for start in range(0, flat.shape[0], chunk_size):
+        # (chunk, Ht) @ (Ht, V) -> (chunk, V)
+        logits = flat[start : start + chunk_size] @ lm_head_weight.T.to(flat.dtype)
+        argmax.append(logits.argmax(-1))
+        probs.append(logits[:, hot_ids].float().softmax(-1))
+    argmax_t = torch.cat(argmax).view(batch, length)
+    return TargetDistribution(
+        probs=torch.cat(probs).view(batch, length, -1),
+        argmax=argmax_t,
+        in_draft=t2d[argmax_t],
+    )
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """(B, T, ...) -> (B, T, ...) with ``out[:, t] = x[:, t + n]`` and ``fill`` past the end."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+@dataclass
+class TTTResult:
+    """Per-step results of one TTT unroll."""
+
+    loss: torch.Tensor
+    """Scalar ``sum_k weight**k * loss_k`` (what is back-propagated)."""
+    step_losses: list[torch.Tensor]
+    """``loss_k`` per step (detached scalars)."""
+    step_correct: list[torch.Tensor]
+    """Masked positions where the draft's argmax equals the target's, per step."""
+    step_counted: list[torch.Tensor]
+    """Masked positions per step (the accuracy denominator)."""
+    step_prev_correct: list[torch.Tensor]
+    """Per step ``k``: positions counted at ``k`` whose steps ``0..k-1`` were all correct."""
+    step_chain_correct: list[torch.Tensor]
+    """Per step ``k``: positions whose steps ``0..k`` were all correct."""
+
+    @property
+    def accuracies(self) -> list[float]:
+        return [
+            float(c) / max(float(n), 1.0)
+            for c, n in zip(self.step_correct, self.step_counted, strict=True)
+        ]
+
+
+def ttt_unroll(
+    draft: Eagle3DraftModel,
+    *,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    aux_hidden_states: torch.Tensor,
+    ttt_length: int,
+) -> Iterator[torch.Tensor]:
+    """Yield the draft's logits (B, T, draft_vocab_size) of steps ``0 .. ttt_length - 1``.
+
+    Step ``k`` feeds token ``t + 1 + k`` at RoPE position ``t + k`` and, for ``k > 0``, the
+    draft's own pre-norm hidden state of step ``k - 1``.
+    """
+    batch, length = input_ids.shape
+    key_padding_mask = attention_mask.bool()
+    positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+    cache = TTTCache()
+    hidden = aux_hidden_states
+    for k in range(ttt_length):
+        logits, hidden = draft.ttt_step(
+            shift_left(input_ids, 1 + k),
+            hidden,
+            positions + k,
+            cache=cache,
+            key_padding_mask=key_padding_mask,
+        )
+        yield logits
+
+
+def ttt_loss(
+    draft: Eagle3DraftModel,
+    *,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    aux_hidden_states: torch.Tensor,
+    target: TargetDistribution,
+    ttt_length: int = 7,
+    step_weight: float = 0.8,
+) -> TTTResult:
+    """Unroll the draft ``ttt_length`` steps and score every step against the target.
+
+    Args:
+        draft: the draft model (its parameters receive gradients).
+        input_ids: (B, T) target token ids, right-padded.
+        attention_mask: (B, T) 1 for real tokens.
+        loss_mask: (B, T) 1 on tokens the draft should learn to predict (assistant tokens).
+        aux_hidden_states: (B, T, 3 * Ht) the target's aux layers.
+        target: the target's distribution per position (:func:`target_distribution`).
+        ttt_length: number of unrolled steps.
+        step_weight: step ``k`` is weighted ``step_weight ** k``.
+
+    Returns:
+        The weighted loss and per-step losses / accuracy counts.
+    """
+    if ttt_length < 1:
+        raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
+    loss_mask = loss_mask.bool() & attention_mask.bool()
+    total = torch.zeros((), device=input_ids.device, dtype=torch.float32)
+    result = TTTResult(total, [], [], [], [], [])
+    chain = torch.ones_like(loss_mask)
+    # 1. unroll: step k sees token t+1+k at RoPE position t+k
+    steps = ttt_unroll(
+        draft,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        aux_hidden_states=aux_hidden_states,
+        ttt_length=ttt_length,
+    )
+    for k, logits in enumerate(steps):
+        # 2. it predicts token t+2+k: the target's distribution at t+1+k, the mask at t+2+k
+        counted = shift_left(loss_mask, 2 + k, fill=False)
+        target_probs = shift_left(target.probs, 1 + k)
+        target_argmax = shift_left(target.argmax, 1 + k)
+        in_draft = shift_left(target.in_draft, 1 + k, fill=False)
+        scored = counted & in_draft
+        # 3. soft cross-entropy over the draft vocabulary, mean over scored positions
+        log_probs = logits.float().log_softmax(-1)
+        per_position = -(target_probs * log_probs).sum(-1)
+        step_loss = (per_position * scored).sum() / scored.sum().clamp(min=1)
+        total = total + step_weight**k * step_loss
+        # 4. accuracy: draft argmax mapped to target ids vs the target's argmax
+        with torch.no_grad():
+            correct = (draft.to_target_ids(logits.argmax(-1)) == target_argmax) & counted
+            result.step_losses.append(step_loss.detach())
+            result.step_correct.append(correct.sum())
+            result.step_counted.append(counted.sum())
+            result.step_prev_correct.append((chain & counted).sum())
+            # position t's step-k prediction continues its chain from step k-1
+            chain = chain & correct
+            result.step_chain_correct.append(chain.sum())
+    result.loss = total
+    return result

@@ -1,0 +1,146 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from specforge.trainer.batching import StepBatches, epoch_micro_batches
+from specforge.trainer.train import lr_factor, train
+from tests.trainer.conftest import tiny_train_config
+
+REPO = Path(__file__).parents[2]
+
+
+def metrics(output_dir, split):
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == split]
+
+
+def test_loss_decreases_and_accuracy_rises_on_memorizable_data(tmp_path, peaked_target_dir):
+    folder, data = peaked_target_dir
+    out = tmp_path / "run"
+    cfg = tiny_train_config(
+        folder,
+        data,
+        out,
+        "train.max_steps=150",
+        "train.eval_every=150",
+        "vocab.draft_vocab_size=263",
+    )
+    result = train(cfg)
+    train_log = metrics(out, "train")
+    first = sum(r["loss"] for r in train_log[:5]) / 5
+    last = sum(r["loss"] for r in train_log[-5:]) / 5
+    assert last < 0.7 * first
+    evals = metrics(out, "eval")
+    assert [r["step"] for r in evals] == [0, 150]
+    assert evals[-1]["acc_0"] > evals[0]["acc_0"] + 0.1
+    assert evals[-1]["tau_pred"] > evals[0]["tau_pred"]
+    assert result["checkpoint"] == out / "checkpoints" / "step_150"
+    assert {p.name for p in result["checkpoint"].iterdir()} == {
+        "draft.safetensors",
+        "draft_config.json",
+        "optimizer.pt",
+        "rng.pt",
+        "trainer_state.json",
+    }
+    assert "embed_tokens.weight" not in load_file(result["checkpoint"] / "draft.safetensors")
+
+
+def test_resume_reproduces_an_uninterrupted_run(tmp_path, peaked_target_dir):
+    folder, data = peaked_target_dir
+    steps = ["train.max_steps=8", "train.save_every=3", "train.eval_every=100"]
+    full = train(tiny_train_config(folder, data, tmp_path / "full", *steps))
+    interrupted = tmp_path / "interrupted"
+    train(tiny_train_config(folder, data, interrupted, *steps), stop_after_step=4)
+    assert (interrupted / "checkpoints" / "step_3").is_dir()
+    # drop the step-4 checkpoint: resume from step 3, as after a kill between checkpoints
+    for path in (interrupted / "checkpoints" / "step_4").iterdir():
+        path.unlink()
+    (interrupted / "checkpoints" / "step_4").rmdir()
+    resumed = train(tiny_train_config(folder, data, interrupted, *steps, "train.resume=true"))
+    a = load_file(full["checkpoint"] / "draft.safetensors")
+    b = load_file(resumed["checkpoint"] / "draft.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7)
+
+
+def test_lr_schedule_warms_up_then_decays():
+    factors = [lr_factor(s, warmup_steps=4, max_steps=20, min_lr_ratio=0.1) for s in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(factors[3:], factors[4:], strict=False))
+    assert (
+        factors[-1] > 0.1 and lr_factor(20, warmup_steps=4, max_steps=20, min_lr_ratio=0.1) == 0.1
+    )
+
+
+def test_global_batch_is_the_same_for_ranks_or_accumulation():
+    from specforge.data.chat import TokenizedSample
+
+    samples = [
+        TokenizedSample(str(i), torch.arange(i % 5 + 2), torch.ones(i % 5 + 2, dtype=torch.bool))
+        for i in range(20)
+    ]
+    common = {"seed": 3, "batch_size": 1, "max_tokens_per_batch": None}
+    single = StepBatches(samples, world_size=1, rank=0, grad_accumulation=2, **common)
+    ranks = [
+        StepBatches(samples, world_size=2, rank=r, grad_accumulation=1, **common) for r in (0, 1)
+    ]
+    for step in range(25):  # crosses epochs
+        one = [b.input_ids.tolist() for b in single.for_step(step)]
+        two = [r.for_step(step)[0].input_ids.tolist() for r in ranks]
+        assert one == two
+
+
+def test_token_budget_splits_micro_batches():
+    from specforge.data.chat import TokenizedSample
+
+    samples = [
+        TokenizedSample(str(i), torch.arange(10), torch.ones(10, dtype=torch.bool))
+        for i in range(8)
+    ]
+    batches = epoch_micro_batches(samples, epoch=0, seed=0, batch_size=4, max_tokens_per_batch=20)
+    assert all(len(b) == 2 for b in batches) and len(batches) == 4
+
+
+def test_two_process_ddp_matches_one_process(tmp_path, peaked_target_dir):
+    """torchrun with 2 gloo ranks x batch 1 == 1 process with 2 accumulated micro-batches."""
+    folder, data = peaked_target_dir
+    common = [
+        f"target.name_or_path={folder}",
+        "target.dtype=float32",
+        f"train.data_path={data}",
+        "train.dtype=float32",
+        "train.lr=3e-3",
+        "train.warmup_steps=2",
+        "vocab.draft_vocab_size=64",
+        "train.eval_fraction=0.2",
+        "train.ttt_length=3",
+        "train.max_steps=4",
+        "train.eval_every=100",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(nproc, out, *extra):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--standalone",
+            "scripts/train_eagle3.py",
+            f"output_dir={out}",
+            *common,
+            *extra,
+        ]
+        subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=REPO)
+        return load_file(out / "checkpoints" / "step_4" / "draft.safetensors")
+
+    ddp = run(2, tmp_path / "ddp")
+    single = run(1, tmp_path / "single", "train.grad_accumulation=2")
+    for key in single:
+        torch.testing.assert_close(ddp[key], single[key], rtol=1e-5, atol=1e-6)
