@@ -123,6 +123,29 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_parser(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="export a training checkpoint for SGLang / vLLM (checked against the contract)",
+        description="Write CHECKPOINT as a LlamaForCausalLMEagle3 directory that SGLang loads "
+        "with --speculative-algorithm EAGLE3 --speculative-draft-model-path OUT (and vLLM).",
+    )
+    p.add_argument("checkpoint", help="a checkpoint folder, e.g. OUTPUT_DIR/checkpoints/step_1500")
+    p.add_argument("output", help="the export directory to write")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.set_defaults(run=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from specforge.serving.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype)
+    print(f"exported {args.checkpoint} -> {out}")
+    for path in sorted(out.iterdir()):
+        print(f"  {path.name:<28} {path.stat().st_size:>12,d} bytes")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specforge", description="Train and evaluate EAGLE-3 draft models."
@@ -131,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _prepare_parser(sub)
     _train_parser(sub)
+    _export_parser(sub)
     return parser
 
 

@@ -130,10 +130,13 @@ def generate_answers(
     if eos_ids is None:
         eos_ids = tokenizer.eos_token_id
     eos_ids = eos_ids if isinstance(eos_ids, list) else [eos_ids]
-    tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = pad_id
-    batch = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        batch = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+    finally:
+        tokenizer.padding_side = padding_side
     sample = cfg.temperature > 0
     generation_config = GenerationConfig(
         max_new_tokens=cfg.max_new_tokens,

@@ -40,6 +40,7 @@ from specforge.data.vocab import (
     end_of_turn_ids,
     save_vocab_map,
 )
+from specforge.io import write_jsonl_atomic
 from specforge.models.eagle3 import Eagle3Config, Eagle3DraftModel, build_draft_model
 from specforge.models.target import capture_hidden_states, default_aux_layer_ids, load_target
 from specforge.trainer.batching import Batch, StepBatches, collate, split_train_eval
@@ -145,6 +146,12 @@ class MetricsLog:
             import wandb  # the wandb extra
 
             self.wandb = wandb.init(mode="offline", dir=cfg.output_dir, config=to_dict(cfg))
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop records past the checkpoint's step (they will be logged again)."""
+        if self.enabled and self.path.exists():
+            records = [json.loads(line) for line in self.path.read_text().splitlines()]
+            write_jsonl_atomic(self.path, (r for r in records if r["step"] <= step))
 
     def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -282,6 +289,7 @@ def train(cfg: SpecForgeConfig, *, stop_after_step: int | None = None) -> dict[s
         device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=tc.dtype == "bfloat16"
     )
     log = MetricsLog(cfg, ranks.is_main)
+    log.truncate_after(start_step)
 
     def evaluate() -> dict[str, float]:
         draft.eval()

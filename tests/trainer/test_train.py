@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from specforge.trainer.batching import StepBatches, epoch_micro_batches
 from specforge.trainer.train import lr_factor, train
-from tests.trainer.conftest import tiny_train_config
+from tests.trainer.helpers import tiny_train_config
 
 REPO = Path(__file__).parents[2]
 
@@ -62,6 +62,11 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, peaked_target_dir):
         path.unlink()
     (interrupted / "checkpoints" / "step_4").rmdir()
     resumed = train(tiny_train_config(folder, data, interrupted, *steps, "train.resume=true"))
+    logged = [
+        (r["step"], r["split"])
+        for r in map(json.loads, (interrupted / "metrics.jsonl").read_text().splitlines())
+    ]
+    assert len(logged) == len(set(logged)) and (8, "train") in logged  # no step logged twice
     a = load_file(full["checkpoint"] / "draft.safetensors")
     b = load_file(resumed["checkpoint"] / "draft.safetensors")
     assert a.keys() == b.keys()

@@ -1,0 +1,383 @@
+"""Export a trained draft as the directory SGLang (``--speculative-algorithm EAGLE3
+--speculative-draft-model-path DIR``) and vLLM load (DESIGN §3.5), checked strictly first.
+
+Both engines are lenient in dangerous ways: SGLang silently drops weight names it does not know
+and leaves missing parameters uninitialized; a ``tie_word_embeddings: true`` makes it use the
+(full-vocabulary) embedding as ``lm_head``; a ``max_position_embeddings`` below the target's
+truncates serving. So every export is checked against :data:`EXPORT_CONTRACT` and
+:func:`check_export_config` before anything is written, and written atomically (temp folder +
+rename). The directory holds:
+
+- ``config.json``: ``LlamaForCausalLMEagle3``, one layer, the target's geometry, RoPE,
+  ``max_position_embeddings`` and ``vocab_size``, ``draft_vocab_size``, ``target_hidden_size``;
+  RoPE is written both as ``rope_theta``/``rope_scaling`` (what transformers 4.x-based engines
+  read) and as ``rope_parameters`` (transformers 5); non-default aux layers in both engines'
+  conventions (SGLang ``eagle_config.eagle_aux_hidden_state_layer_ids`` = layer ids, vLLM
+  top-level ``eagle_aux_hidden_state_layer_ids`` = HF ``hidden_states`` indices = ids + 1);
+- ``model.safetensors``: exactly the contract's names (no ``model.`` prefix);
+- ``freq_<K>.pt``: the hot target ids (1-D int64), for SGLang's EAGLE-2 / FR-Spec token map;
+- the target's tokenizer files, for convenience.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specforge.models.eagle3 import Eagle3Config, Eagle3DraftModel
+from specforge.models.target import DTYPES, default_aux_layer_ids
+
+
+class ExportError(ValueError):
+    """An export that breaks the contract; the message lists every problem found."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One row of the export contract."""
+
+    name: str
+    shape: Callable[[Eagle3Config], tuple[int, ...]]
+    kind: str
+    """``float`` (the export dtype), ``int64`` or ``bool``."""
+    when: Callable[[Eagle3Config], bool] = lambda c: True
+
+
+def _attention_width(c: Eagle3Config) -> int:
+    return c.num_attention_heads * c.head_dim
+
+
+def _kv_width(c: Eagle3Config) -> int:
+    return c.num_key_value_heads * c.head_dim
+
+
+def _reduced(c: Eagle3Config) -> bool:
+    return c.draft_vocab_size < c.vocab_size
+
+
+EXPORT_CONTRACT: tuple[TensorSpec, ...] = (
+    TensorSpec("fc.weight", lambda c: (c.hidden_size, 3 * c.target_hidden_size), "float"),
+    TensorSpec("midlayer.input_layernorm.weight", lambda c: (c.hidden_size,), "float"),
+    TensorSpec("midlayer.hidden_norm.weight", lambda c: (c.hidden_size,), "float"),
+    TensorSpec("midlayer.post_attention_layernorm.weight", lambda c: (c.hidden_size,), "float"),
+    TensorSpec(
+        "midlayer.self_attn.q_proj.weight",
+        lambda c: (_attention_width(c), 2 * c.hidden_size),
+        "float",
+    ),
+    TensorSpec(
+        "midlayer.self_attn.k_proj.weight", lambda c: (_kv_width(c), 2 * c.hidden_size), "float"
+    ),
+    TensorSpec(
+        "midlayer.self_attn.v_proj.weight", lambda c: (_kv_width(c), 2 * c.hidden_size), "float"
+    ),
+    TensorSpec(
+        "midlayer.self_attn.o_proj.weight", lambda c: (c.hidden_size, _attention_width(c)), "float"
+    ),
+    TensorSpec(
+        "midlayer.mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), "float"
+    ),
+    TensorSpec(
+        "midlayer.mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), "float"
+    ),
+    TensorSpec(
+        "midlayer.mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size), "float"
+    ),
+    TensorSpec("norm.weight", lambda c: (c.hidden_size,), "float"),
+    TensorSpec("lm_head.weight", lambda c: (c.draft_vocab_size, c.hidden_size), "float"),
+    TensorSpec("d2t", lambda c: (c.draft_vocab_size,), "int64", _reduced),
+    TensorSpec("t2d", lambda c: (c.vocab_size,), "bool", _reduced),
+    TensorSpec(
+        "embed_tokens.weight",
+        lambda c: (c.vocab_size, c.hidden_size),
+        "float",
+        lambda c: c.hidden_size != c.target_hidden_size,
+    ),
+)
+"""Names, shape formulas, dtypes and presence conditions of ``model.safetensors``.
+``embed_tokens.weight`` is written only when the draft's width differs from the target's;
+otherwise the engines share the target's embedding, which the draft's frozen copy equals."""
+
+KIND_DTYPES = {"int64": torch.int64, "bool": torch.bool}
+
+
+def check_export_tensors(
+    tensors: dict[str, torch.Tensor], config: Eagle3Config, dtype: torch.dtype
+) -> None:
+    """Check names, shapes, dtypes and the vocabulary-map invariants against the contract.
+
+    Raises:
+        ExportError: listing every problem.
+    """
+    problems = []
+    expected = {spec.name: spec for spec in EXPORT_CONTRACT if spec.when(config)}
+    for name in sorted(set(tensors) - set(expected)):
+        problems.append(f"unexpected tensor {name!r} (engines would silently drop it)")
+    for name, spec in expected.items():
+        if name not in tensors:
+            problems.append(f"missing tensor {name!r} (engines would leave it uninitialized)")
+            continue
+        tensor = tensors[name]
+        want_shape = spec.shape(config)
+        if tuple(tensor.shape) != want_shape:
+            problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {want_shape}")
+        want_dtype = KIND_DTYPES.get(spec.kind, dtype)
+        if tensor.dtype != want_dtype:
+            problems.append(f"{name}: dtype {tensor.dtype}, expected {want_dtype}")
+    if not problems and _reduced(config):
+        hot = torch.arange(config.draft_vocab_size) + tensors["d2t"]
+        if hot.min() < 0 or hot.max() >= config.vocab_size:
+            problems.append("d2t maps draft ids outside the target vocabulary")
+        elif hot.unique().numel() != hot.numel():
+            problems.append("arange + d2t is not injective")
+        elif int(tensors["t2d"].sum()) != config.draft_vocab_size or not bool(
+            tensors["t2d"][hot].all()
+        ):
+            problems.append("t2d does not mark exactly the target ids of arange + d2t")
+    if problems:
+        raise ExportError("export breaks the contract:\n  " + "\n  ".join(problems))
+
+
+def _rope_legacy(rope_parameters: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) in the transformers 4.x layout."""
+    theta = float(rope_parameters.get("rope_theta", 10000.0))
+    scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def export_config_dict(
+    config: Eagle3Config, *, aux_layer_ids: list[int], num_target_layers: int, dtype: str
+) -> dict[str, Any]:
+    """The ``config.json`` of an exported draft."""
+    rope_theta, rope_scaling = _rope_legacy(config.rope_parameters)
+    exported: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "rope_parameters": dict(config.rope_parameters),
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+    }
+    if list(aux_layer_ids) != default_aux_layer_ids(num_target_layers):
+        exported["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+        exported["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in aux_layer_ids]
+    return exported
+
+
+def check_export_config(exported: dict[str, Any], target_config) -> None:
+    """Check ``config.json`` against the target it will serve with.
+
+    Raises:
+        ExportError: listing every mismatch (architecture, tying, vocabulary, positions, RoPE).
+    """
+    problems = []
+    if exported.get("architectures") != ["LlamaForCausalLMEagle3"]:
+        problems.append(
+            f"architectures is {exported.get('architectures')}, expected ['LlamaForCausalLMEagle3']"
+        )
+    if exported.get("num_hidden_layers") != 1:
+        problems.append(f"num_hidden_layers is {exported.get('num_hidden_layers')}, expected 1")
+    if exported.get("tie_word_embeddings") is not False:
+        problems.append(
+            "tie_word_embeddings must be false (SGLang would use the full-vocabulary "
+            "embedding as lm_head)"
+        )
+    if exported.get("vocab_size") != target_config.vocab_size:
+        problems.append(
+            f"vocab_size {exported.get('vocab_size')} != target's {target_config.vocab_size}"
+        )
+    if "draft_vocab_size" not in exported:
+        problems.append(
+            "draft_vocab_size is missing (SGLang would expect a full-vocabulary lm_head)"
+        )
+    if exported.get("target_hidden_size") != target_config.hidden_size:
+        problems.append(
+            f"target_hidden_size {exported.get('target_hidden_size')} != target's "
+            f"hidden_size {target_config.hidden_size}"
+        )
+    if exported.get("max_position_embeddings") != target_config.max_position_embeddings:
+        problems.append(
+            f"max_position_embeddings {exported.get('max_position_embeddings')} != "
+            f"target's {target_config.max_position_embeddings}"
+        )
+    target_rope = dict(getattr(target_config, "rope_parameters", None) or {})
+    if exported.get("rope_parameters") != target_rope:
+        problems.append(
+            f"rope_parameters {exported.get('rope_parameters')} != target's {target_rope}"
+        )
+    theta, scaling = _rope_legacy(target_rope)
+    if exported.get("rope_theta") != theta or exported.get("rope_scaling") != scaling:
+        problems.append(
+            f"rope_theta/rope_scaling {exported.get('rope_theta')}/"
+            f"{exported.get('rope_scaling')} != target's {theta}/{scaling}"
+        )
+    if problems:
+        raise ExportError("export config breaks the contract:\n  " + "\n  ".join(problems))
+
+
+def export_tensors(model: Eagle3DraftModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors of ``model.safetensors``: float weights in ``dtype``, maps as int64/bool."""
+    state = model.state_dict()
+    config = model.config
+    tensors = {}
+    for spec in EXPORT_CONTRACT:
+        if not spec.when(config):
+            continue
+        tensor = state[spec.name].detach().cpu()
+        tensors[spec.name] = (tensor.to(dtype) if spec.kind == "float" else tensor).contiguous()
+    return tensors
+
+
+def write_export(
+    out_dir: str | Path,
+    *,
+    model: Eagle3DraftModel,
+    target_config,
+    aux_layer_ids: list[int],
+    dtype: str = "bfloat16",
+    tokenizer=None,
+) -> Path:
+    """Check and write an export directory atomically.
+
+    Raises:
+        ExportError: the draft does not fit the contract or the target.
+    """
+    torch_dtype = DTYPES[dtype]
+    config = model.config
+    exported = export_config_dict(
+        config,
+        aux_layer_ids=aux_layer_ids,
+        num_target_layers=target_config.num_hidden_layers,
+        dtype=dtype,
+    )
+    check_export_config(exported, target_config)
+    tensors = export_tensors(model, torch_dtype)
+    check_export_tensors(tensors, config, torch_dtype)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(exported, indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        hot_ids = (torch.arange(config.draft_vocab_size) + model.d2t.cpu()).to(torch.int64)
+        torch.save(hot_ids.contiguous(), tmp / f"freq_{config.draft_vocab_size}.pt")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def load_exported_draft(
+    export_dir: str | Path,
+    *,
+    target_config,
+    target_embedding: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> Eagle3DraftModel:
+    """Load an exported directory as a draft model (what the built-in runtime serves), checking
+    it against the contract first.
+
+    Args:
+        export_dir: the directory :func:`write_export` wrote.
+        target_config: the target's HF config (vocabulary, positions, RoPE must match).
+        target_embedding: (V, Ht) the target's input embedding (shared, as engines share it).
+        dtype: dtype to run the draft in.
+
+    Raises:
+        ExportError: a directory that breaks the contract.
+    """
+    export_dir = Path(export_dir)
+    exported = json.loads((export_dir / "config.json").read_text())
+    check_export_config(exported, target_config)
+    config = Eagle3Config(
+        hidden_size=exported["hidden_size"],
+        intermediate_size=exported["intermediate_size"],
+        num_attention_heads=exported["num_attention_heads"],
+        num_key_value_heads=exported["num_key_value_heads"],
+        head_dim=exported["head_dim"],
+        vocab_size=exported["vocab_size"],
+        draft_vocab_size=exported["draft_vocab_size"],
+        target_hidden_size=exported["target_hidden_size"],
+        max_position_embeddings=exported["max_position_embeddings"],
+        rope_parameters=exported["rope_parameters"],
+        rms_norm_eps=exported["rms_norm_eps"],
+        hidden_act=exported["hidden_act"],
+    )
+    tensors = load_file(str(export_dir / "model.safetensors"))
+    float_dtype = next(t.dtype for n, t in tensors.items() if n == "fc.weight")
+    check_export_tensors(tensors, config, float_dtype)
+    model = Eagle3DraftModel(config)
+    state = {k: v for k, v in tensors.items() if k != "embed_tokens.weight"}
+    state["embed_tokens.weight"] = tensors.get("embed_tokens.weight", target_embedding)
+    if not _reduced(config):
+        state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype).eval()
+
+
+def export_checkpoint(
+    checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16"
+) -> Path:
+    """Export a training checkpoint (``<output_dir>/checkpoints/step_N``) for SGLang/vLLM.
+
+    The target (named in the checkpoint's config) provides its config and tokenizer; its
+    weights are not loaded.
+    """
+    from specforge.models.target import load_target_config, load_tokenizer
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "draft.safetensors").is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a training checkpoint (no draft.safetensors)")
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    target = state["config"]["target"]
+    kwargs = {"dtype": target["dtype"], "trust_remote_code": target["trust_remote_code"]}
+    target_config = load_target_config(target["name_or_path"], **kwargs)
+    tokenizer = load_tokenizer(target["name_or_path"], **kwargs)
+    config = Eagle3Config(**json.loads((checkpoint / "draft_config.json").read_text()))
+    model = Eagle3DraftModel(config)
+    missing, unexpected = model.load_state_dict(
+        load_file(str(checkpoint / "draft.safetensors")), strict=False
+    )
+    if unexpected or set(missing) - {"embed_tokens.weight"}:
+        raise ExportError(
+            f"{checkpoint}: weights do not fit the draft config "
+            f"(missing {missing}, unexpected {unexpected})"
+        )
+    return write_export(
+        out_dir,
+        model=model,
+        target_config=target_config,
+        aux_layer_ids=state["aux_layer_ids"],
+        dtype=dtype,
+        tokenizer=tokenizer,
+    )
