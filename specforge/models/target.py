@@ -88,6 +88,7 @@ def capture_hidden_states(
     attention_mask: torch.Tensor | None = None,
     *,
     aux_layer_ids: list[int],
+    past_key_values=None,
 ) -> TargetHiddenStates:
     """Run the target's decoder once and capture the aux layers and the final hidden state.
 
@@ -100,6 +101,7 @@ def capture_hidden_states(
         input_ids: (B, T) token ids.
         attention_mask: (B, T) 1 for real tokens, 0 for padding, or ``None``.
         aux_layer_ids: three decoder layer ids (see :func:`default_aux_layer_ids`).
+        past_key_values: an HF cache to extend (serving), or ``None`` (training: no cache).
 
     Returns:
         The captured states, in the model's dtype.
@@ -117,7 +119,10 @@ def capture_hidden_states(
     handles = [layers[i].register_forward_hook(hook_for(i)) for i in sorted(set(ids))]
     try:
         outputs = model.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            use_cache=past_key_values is not None,
         )
     finally:
         for handle in handles:

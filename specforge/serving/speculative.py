@@ -1,0 +1,202 @@
+"""The built-in speculative runtime (batch size 1): an EAGLE-3 draft proposes a chain of tokens,
+the target verifies them in one forward pass, and the longest agreeing prefix plus the target's
+own next token is emitted. Greedy verification is lossless: the output equals the target's own
+greedy decoding token for token (an fp32 property; see the tests).
+
+A round, in small verbs:
+
+1. ``draft``: from the draft state after the last accepted token, propose ``num_steps`` tokens,
+   each step feeding back the draft's pre-norm hidden state (the serving path of the TTT
+   unroll, :meth:`Eagle3DraftModel.forward` with a KV cache);
+2. ``verify``: one target forward over ``[last token, d_1 .. d_K]`` with the target's KV cache,
+   capturing the aux hidden states the draft needs next;
+3. ``accept``: keep ``d_1 .. d_a`` while they equal the target's argmax, then the target's own
+   token (the bonus); crop both KV caches to the accepted path and extend the draft over it.
+
+Accept length ``tau`` = emitted tokens / verifications (bonus token counted, so ``tau >= 1``),
+as SGLang's "avg accept length" and the EAGLE papers report it (DESIGN §3.6).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
+from specforge.models.target import capture_hidden_states
+
+
+@dataclass
+class SpecStats:
+    """Counters of one or many speculative generations."""
+
+    num_steps: int
+    verifications: int = 0
+    emitted: int = 0
+    accepted_per_round: list[int] = field(default_factory=list)
+    """Draft tokens accepted in each verification (0..num_steps), the bonus not counted."""
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Emitted tokens per target verification (the bonus token counted)."""
+        return self.emitted / max(self.verifications, 1)
+
+    @property
+    def histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.accepted_per_round).items()))
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """P(draft token k accepted | tokens < k accepted), k = 1..num_steps."""
+        rates = []
+        for k in range(1, self.num_steps + 1):
+            reached = sum(a >= k - 1 for a in self.accepted_per_round)
+            accepted = sum(a >= k for a in self.accepted_per_round)
+            rates.append(accepted / reached if reached else 0.0)
+        return rates
+
+    def merge(self, other: SpecStats) -> None:
+        self.verifications += other.verifications
+        self.emitted += other.emitted
+        self.accepted_per_round.extend(other.accepted_per_round)
+        self.seconds += other.seconds
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first ``length`` positions of an HF cache or a :class:`DraftKVCache`."""
+    if isinstance(cache, DraftKVCache):
+        cache.crop(length)
+        return
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+class SpeculativeDecoder:
+    """Chain drafting with greedy verification for one sequence at a time."""
+
+    def __init__(
+        self,
+        target_model,
+        draft_model: Eagle3DraftModel,
+        *,
+        aux_layer_ids: list[int],
+        num_steps: int = 5,
+    ):
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self.target = target_model
+        self.draft_model = draft_model
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.num_steps = num_steps
+        self.device = next(target_model.parameters()).device
+
+    # -- the target --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _target_forward(self, input_ids: torch.Tensor, cache):
+        """Target logits (T, V) and fused-aux inputs (1, T, 3 * Ht) for new tokens ``input_ids``
+        (1, T), extending ``cache``."""
+        states = capture_hidden_states(
+            self.target, input_ids, aux_layer_ids=self.aux_layer_ids, past_key_values=cache
+        )
+        logits = self.target.get_output_embeddings()(states.last_hidden_state[0])
+        return logits.float(), states.aux_hidden_states
+
+    # -- the draft ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _draft_extend(self, tokens: torch.Tensor, aux: torch.Tensor, start: int, cache):
+        """Run the draft over new positions ``start .. start + T - 1`` (token ``t + 1`` and the
+        target feature at ``t`` each); returns the last position's logits and hidden state."""
+        positions = torch.arange(start, start + tokens.shape[1], device=self.device)[None]
+        logits, hidden = self.draft_model(tokens, aux, positions, cache=cache)
+        return logits[0, -1], hidden[:, -1:]
+
+    @torch.no_grad()
+    def draft(
+        self, logits: torch.Tensor, hidden: torch.Tensor, position: int, cache
+    ) -> torch.Tensor:
+        """1. Propose ``num_steps`` target ids as a chain, starting from the draft's logits and
+        hidden state at ``position`` (the last accepted feature)."""
+        tokens = []
+        for k in range(self.num_steps):
+            token = self.draft_model.to_target_ids(logits.argmax(-1, keepdim=True))
+            tokens.append(token)
+            if k == self.num_steps - 1:
+                break
+            step_position = torch.tensor([[position + 1 + k]], device=self.device)
+            step_logits, hidden = self.draft_model(token[None], hidden, step_position, cache=cache)
+            logits = step_logits[0, -1]
+        return torch.cat(tokens)
+
+    # -- verify and accept -------------------------------------------------------------------
+
+    @staticmethod
+    def accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+        """3. Greedy acceptance: the number ``a`` of leading draft tokens equal to the target's
+        argmax, and the target's token after them (the bonus)."""
+        predicted = target_logits.argmax(-1)  # (K + 1,)
+        matches = (predicted[:-1] == draft_tokens).int()
+        accepted = int(matches.cumprod(0).sum())
+        return accepted, int(predicted[accepted])
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        eos_token_ids: list[int] | tuple[int, ...] = (),
+    ) -> tuple[list[int], SpecStats]:
+        """Generate up to ``max_new_tokens`` after ``input_ids`` (1, T), stopping after an EOS.
+
+        Returns:
+            The new token ids (EOS included when generated) and the round statistics.
+        """
+        from transformers import DynamicCache
+
+        start_time = time.perf_counter()
+        stats = SpecStats(num_steps=self.num_steps)
+        eos = set(eos_token_ids)
+        input_ids = input_ids.to(self.device)
+        prompt_length = input_ids.shape[1]
+        # prefill: the target over the prompt, then the draft over its features
+        target_cache, draft_cache = DynamicCache(), DraftKVCache()
+        logits, aux = self._target_forward(input_ids, target_cache)
+        next_token = int(logits[-1].argmax())
+        output = [next_token]
+        tokens = torch.cat([input_ids[:, 1:], torch.tensor([[next_token]], device=self.device)], 1)
+        draft_logits, hidden = self._draft_extend(tokens, aux, 0, draft_cache)
+        length = prompt_length  # tokens whose target features are known (and cached)
+        while len(output) < max_new_tokens and next_token not in eos:
+            # 1. draft
+            draft_tokens = self.draft(draft_logits, hidden, length - 1, draft_cache)
+            # 2. verify: [last token, d_1 .. d_K] at positions length .. length + K
+            verify_ids = torch.cat([torch.tensor([next_token], device=self.device), draft_tokens])
+            target_logits, aux = self._target_forward(verify_ids[None], target_cache)
+            # 3. accept
+            accepted, bonus = self.accept(draft_tokens, target_logits)
+            new_tokens = draft_tokens[:accepted].tolist() + [bonus]
+            stats.verifications += 1
+            stats.accepted_per_round.append(accepted)
+            crop_cache(target_cache, length + 1 + accepted)
+            crop_cache(draft_cache, length)
+            # the draft extends over the accepted path: feature at t, token t + 1
+            path = torch.tensor([new_tokens], device=self.device)
+            draft_logits, hidden = self._draft_extend(
+                path, aux[:, : accepted + 1], length, draft_cache
+            )
+            length += accepted + 1
+            for token in new_tokens:
+                output.append(token)
+                if token in eos or len(output) >= max_new_tokens:
+                    break
+            next_token = output[-1]
+        stats.emitted = len(output) - 1  # the first token comes from the prefill
+        stats.seconds = time.perf_counter() - start_time
+        return output[:max_new_tokens], stats

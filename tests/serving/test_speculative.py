@@ -1,0 +1,114 @@
+"""Lossless greedy speculative decoding: the output equals the target's own greedy decoding."""
+
+import pytest
+import torch
+
+from specforge.serving.speculative import SpeculativeDecoder
+from tests.conftest import make_tiny_llama
+from tests.models.test_eagle3 import tiny_draft
+
+VOCAB = 96
+
+
+class StubDraft(torch.nn.Module):
+    """A draft that knows the target's greedy continuation and proposes it, except at the
+    positions ``wrong_at`` chooses (where it proposes a different token)."""
+
+    def __init__(self, reference: list[int], wrong_at):
+        super().__init__()
+        self.reference = reference
+        self.wrong_at = wrong_at
+        self.register_buffer("d2t", torch.zeros(VOCAB, dtype=torch.long))
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids]
+
+    def forward(self, input_ids, hidden_states, position_ids, *, cache, attention_mask=None):
+        # position t predicts token t + 2
+        logits = torch.zeros(1, input_ids.shape[1], VOCAB)
+        for i, t in enumerate(position_ids[0].tolist()):
+            token = self.reference[t + 2] if t + 2 < len(self.reference) else 0
+            if self.wrong_at(t):
+                token = (token + 1) % VOCAB
+            logits[0, i, token] = 1.0
+        return logits, torch.zeros(1, input_ids.shape[1], 64)
+
+
+def greedy_reference(target, prompt, max_new_tokens):
+    out = target.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),  # token 0 is data here, not padding
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+    )
+    return out[0].tolist()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_llama(VOCAB, num_layers=4, seed=3, initializer_range=0.2).float()
+
+
+@pytest.mark.parametrize("num_steps", [1, 3, 5])
+@pytest.mark.parametrize("agree", ["always", "never", "sometimes"])
+def test_stub_drafts_are_lossless(target, num_steps, agree):
+    wrong_at = {
+        "always": lambda t: False,
+        "never": lambda t: True,
+        "sometimes": lambda t: t % 3 == 0,
+    }[agree]
+    for seed in range(4):
+        torch.manual_seed(seed)
+        prompt = torch.randint(0, VOCAB, (1, 5 + seed))
+        reference = greedy_reference(target, prompt, 24)
+        decoder = SpeculativeDecoder(
+            target, StubDraft(reference, wrong_at), aux_layer_ids=[1, 1, 0], num_steps=num_steps
+        )
+        tokens, stats = decoder.generate(prompt, max_new_tokens=24)
+        assert tokens == reference[prompt.shape[1] :]
+        assert stats.emitted == 23 and stats.verifications == len(stats.accepted_per_round)
+        if agree == "always":
+            assert all(a == num_steps for a in stats.accepted_per_round[:-1])
+            assert stats.tau > num_steps  # close to num_steps + 1
+        if agree == "never":
+            assert set(stats.accepted_per_round) == {0} and stats.tau == 1.0
+
+
+def test_trained_shape_draft_is_lossless_on_many_prompts(target):
+    _, draft = tiny_draft(seed=5)
+    for seed in range(10):
+        torch.manual_seed(100 + seed)
+        prompt = torch.randint(0, VOCAB, (1, 3 + seed))
+        reference = greedy_reference(target, prompt, 20)
+        decoder = SpeculativeDecoder(target, draft, aux_layer_ids=[1, 1, 0], num_steps=4)
+        tokens, stats = decoder.generate(prompt, max_new_tokens=20)
+        assert tokens == reference[prompt.shape[1] :]
+        assert stats.tau >= 1.0
+
+
+def test_eos_inside_an_accepted_block_stops_exactly(target):
+    torch.manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    reference = greedy_reference(target, prompt, 30)[6:]
+    eos = reference[9]
+    stop = reference.index(eos)
+    decoder = SpeculativeDecoder(
+        target,
+        StubDraft(greedy_reference(target, prompt, 30), lambda t: False),
+        aux_layer_ids=[1, 1, 0],
+        num_steps=5,
+    )
+    tokens, stats = decoder.generate(prompt, max_new_tokens=30, eos_token_ids=[eos])
+    assert tokens == reference[: stop + 1]
+    short, _ = decoder.generate(prompt, max_new_tokens=4, eos_token_ids=[])
+    assert short == reference[:4]
+
+
+def test_acceptance_statistics():
+    from specforge.serving.speculative import SpecStats
+
+    stats = SpecStats(num_steps=3, verifications=4, emitted=9, accepted_per_round=[3, 0, 1, 1])
+    assert stats.tau == 9 / 4
+    assert stats.histogram == {0: 1, 1: 2, 3: 1}
+    assert stats.acceptance_per_position == [3 / 4, 1 / 3, 1.0]
