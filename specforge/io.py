@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,3 +37,28 @@ def write_jsonl_atomic(path: str | Path, records: Iterable[dict[str, Any]]) -> N
 def write_json_atomic(path: str | Path, data: Any) -> None:
     """Write ``data`` as indented JSON to ``path`` atomically."""
     write_text_atomic(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+@contextmanager
+def atomic_directory(final: str | Path, *, replace: bool = True) -> Iterator[Path]:
+    """Yield a temp folder next to ``final``; when the block succeeds it is renamed to ``final``.
+
+    With ``replace=False`` an existing ``final`` (say, written meanwhile by another rank) is
+    kept and the temp folder discarded. On error nothing is left behind.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            if not replace:
+                return
+            shutil.rmtree(final)
+        try:
+            tmp.rename(final)
+        except OSError:
+            if replace or not final.exists():  # not a concurrent writer that won the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -17,13 +17,13 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from specforge.io import atomic_directory
 
 logger = logging.getLogger(__name__)
 
@@ -177,17 +177,8 @@ def embedded_target_dir(name: str, dtype: str = "bfloat16") -> Path:
     if (folder / "config.json").is_file():
         return folder
     logger.info("converting %s to an HF folder in %s (once)", gguf.name, folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
+    with atomic_directory(folder, replace=False) as tmp:  # a concurrent rank may win the race
         _convert_gguf(gguf, tmp, DTYPES[dtype])
-        try:
-            tmp.rename(folder)
-        except OSError:
-            if not (folder / "config.json").is_file():  # not a concurrent rank that won the race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

@@ -22,8 +22,6 @@ rename). The directory holds:
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from specforge.io import atomic_directory
 from specforge.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from specforge.models.target import DTYPES, default_aux_layer_ids
 
@@ -279,20 +278,13 @@ def write_export(
     tensors = export_tensors(model, torch_dtype)
     check_export_tensors(tensors, config, torch_dtype)
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
+    with atomic_directory(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(exported, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         hot_ids = (torch.arange(config.draft_vocab_size) + model.d2t.cpu()).to(torch.int64)
         torch.save(hot_ids.contiguous(), tmp / f"freq_{config.draft_vocab_size}.pt")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from specforge.io import write_json_atomic
+from specforge.io import atomic_directory, write_json_atomic
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 FROZEN = ("embed_tokens.weight",)
@@ -44,20 +42,13 @@ def save_checkpoint(
     state: dict[str, Any],
 ) -> Path:
     """Write ``folder/step_<step>`` atomically and return it."""
-    folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"step_{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}-", dir=folder))
-    try:
+    with atomic_directory(final) as tmp:
         save_file(draft_state(model), str(tmp / "draft.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
         write_json_atomic(tmp / "draft_config.json", draft_config)
         write_json_atomic(tmp / "trainer_state.json", {"step": step, **state})
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

@@ -20,6 +20,18 @@ def inputs(seed=0, length=14):
     return target, draft, ids, attention_mask, loss_mask, aux, out
 
 
+def run_ttt(draft, ids, attention_mask, loss_mask, aux, dist, ttt_length):
+    return ttt_loss(
+        draft,
+        input_ids=ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        aux_hidden_states=aux,
+        target=dist,
+        ttt_length=ttt_length,
+    )
+
+
 def test_target_distribution_chunking_and_restriction():
     target, draft, ids, attention_mask, _, _, out = inputs()
     hot = torch.arange(32) + draft.d2t
@@ -42,15 +54,7 @@ def test_counted_positions_are_the_loss_mask_shifted_by_two_plus_k():
     dist = target_distribution(
         out.hidden_states[-1], target.lm_head.weight, hot_ids=hot, t2d=draft.t2d
     )
-    result = ttt_loss(
-        draft,
-        input_ids=ids,
-        attention_mask=attention_mask,
-        loss_mask=loss_mask,
-        aux_hidden_states=aux,
-        target=dist,
-        ttt_length=4,
-    )
+    result = run_ttt(draft, ids, attention_mask, loss_mask, aux, dist, ttt_length=4)
     for k in range(4):
         assert int(result.step_counted[k]) == int(loss_mask[:, 2 + k :].sum())
         assert int(result.step_chain_correct[k]) <= int(result.step_prev_correct[k])
@@ -111,12 +115,4 @@ def test_ttt_length_must_be_positive():
         t2d=draft.t2d,
     )
     with pytest.raises(ValueError, match="ttt_length must be >= 1, got 0"):
-        ttt_loss(
-            draft,
-            input_ids=ids,
-            attention_mask=attention_mask,
-            loss_mask=loss_mask,
-            aux_hidden_states=aux,
-            target=dist,
-            ttt_length=0,
-        )
+        run_ttt(draft, ids, attention_mask, loss_mask, aux, dist, ttt_length=0)
