@@ -89,6 +89,7 @@ def capture_hidden_states(
     *,
     aux_layer_ids: list[int],
     past_key_values=None,
+    position_ids: torch.Tensor | None = None,
 ) -> TargetHiddenStates:
     """Run the target's decoder once and capture the aux layers and the final hidden state.
 
@@ -99,9 +100,11 @@ def capture_hidden_states(
     Args:
         model: an HF causal LM (Llama-like: ``get_decoder().layers``).
         input_ids: (B, T) token ids.
-        attention_mask: (B, T) 1 for real tokens, 0 for padding, or ``None``.
+        attention_mask: (B, T) 1 for real tokens, 0 for padding, or ``None``; serving passes a
+            bool (B, 1, T, S + T) "may attend" mask to verify a tree.
         aux_layer_ids: three decoder layer ids (see :func:`default_aux_layer_ids`).
         past_key_values: an HF cache to extend (serving), or ``None`` (training: no cache).
+        position_ids: (B, T) explicit positions (tree verification), else consecutive.
 
     Returns:
         The captured states, in the model's dtype.
@@ -122,6 +125,7 @@ def capture_hidden_states(
             input_ids=input_ids,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
+            position_ids=position_ids,
             use_cache=past_key_values is not None,
         )
     finally:

@@ -27,6 +27,7 @@ import torch
 
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
 from specforge.models.target import capture_hidden_states
+from specforge.serving.tree import accept_greedy, build_tree, verification_inputs
 
 
 @dataclass
@@ -76,8 +77,17 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-extra)
 
 
+def gather_cache(cache, keep: list[int]) -> None:
+    """Keep only positions ``keep`` (in order) of every layer of an HF ``DynamicCache``."""
+    index = torch.tensor(keep, dtype=torch.long)
+    for layer in cache.layers:
+        index = index.to(layer.keys.device)
+        layer.keys = layer.keys[:, :, index]
+        layer.values = layer.values[:, :, index]
+
+
 class SpeculativeDecoder:
-    """Chain drafting with greedy verification for one sequence at a time."""
+    """Chain (``topk=1``) or tree drafting with greedy verification, one sequence at a time."""
 
     def __init__(
         self,
@@ -86,23 +96,50 @@ class SpeculativeDecoder:
         *,
         aux_layer_ids: list[int],
         num_steps: int = 5,
+        topk: int = 1,
+        num_draft_tokens: int | None = None,
     ):
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        """
+        Args:
+            target_model: the HF target (eval mode).
+            draft_model: the draft (e.g. from :func:`load_exported_draft`).
+            aux_layer_ids: the target layers the draft was trained on.
+            num_steps: draft depth (tokens per chain).
+            topk: branches per step; 1 drafts a chain.
+            num_draft_tokens: tree size including the root (tree drafting only).
+
+        Raises:
+            ValueError: inconsistent drafting settings.
+        """
+        if num_steps < 1 or topk < 1:
+            raise ValueError(f"num_steps and topk must be >= 1, got {num_steps}, {topk}")
+        largest = 1 + topk + (num_steps - 1) * topk * topk
+        if topk > 1 and not (num_draft_tokens and 2 <= num_draft_tokens <= largest):
+            raise ValueError(
+                f"tree drafting needs 2 <= num_draft_tokens <= {largest} for topk={topk}, "
+                f"num_steps={num_steps}; got {num_draft_tokens}"
+            )
         self.target = target_model
         self.draft_model = draft_model
         self.aux_layer_ids = list(aux_layer_ids)
         self.num_steps = num_steps
+        self.topk = topk
+        self.num_draft_tokens = num_draft_tokens
         self.device = next(target_model.parameters()).device
 
     # -- the target --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _target_forward(self, input_ids: torch.Tensor, cache):
+    def _target_forward(self, input_ids: torch.Tensor, cache, positions=None, mask=None):
         """Target logits (T, V) and fused-aux inputs (1, T, 3 * Ht) for new tokens ``input_ids``
-        (1, T), extending ``cache``."""
+        (1, T), extending ``cache`` (tree verification passes positions and a mask)."""
         states = capture_hidden_states(
-            self.target, input_ids, aux_layer_ids=self.aux_layer_ids, past_key_values=cache
+            self.target,
+            input_ids,
+            mask,
+            aux_layer_ids=self.aux_layer_ids,
+            past_key_values=cache,
+            position_ids=positions,
         )
         logits = self.target.get_output_embeddings()(states.last_hidden_state[0])
         return logits.float(), states.aux_hidden_states
@@ -145,6 +182,40 @@ class SpeculativeDecoder:
         accepted = int(matches.cumprod(0).sum())
         return accepted, int(predicted[accepted])
 
+    def _chain_round(self, next_token, length, draft_logits, hidden, target_cache, draft_cache):
+        """One chain round; returns the emitted tokens, accepted count and their aux rows."""
+        # 1. draft
+        draft_tokens = self.draft(draft_logits, hidden, length - 1, draft_cache)
+        # 2. verify: [last token, d_1 .. d_K] at positions length .. length + K
+        verify_ids = torch.cat([torch.tensor([next_token], device=self.device), draft_tokens])
+        target_logits, aux = self._target_forward(verify_ids[None], target_cache)
+        # 3. accept
+        accepted, bonus = self.accept(draft_tokens, target_logits)
+        crop_cache(target_cache, length + 1 + accepted)
+        return draft_tokens[:accepted].tolist() + [bonus], accepted, aux[:, : accepted + 1]
+
+    def _tree_round(self, next_token, length, draft_logits, hidden, target_cache, draft_cache):
+        """One tree round (see :mod:`specforge.serving.tree`)."""
+        # 1. draft a tree
+        tree = build_tree(
+            self.draft_model,
+            draft_logits,
+            hidden,
+            last_position=length,
+            cache=draft_cache,
+            topk=self.topk,
+            num_steps=self.num_steps,
+            num_draft_tokens=self.num_draft_tokens,
+        )
+        # 2. verify root + tree in one forward with the tree mask
+        ids, positions, mask = verification_inputs(tree, next_token, length, prefix=length)
+        target_logits, aux = self._target_forward(ids, target_cache, positions, mask)
+        # 3. accept the longest matching path; keep its cache rows only
+        path, bonus = accept_greedy(tree, target_logits)
+        rows = [0] + [node + 1 for node in path]
+        gather_cache(target_cache, list(range(length)) + [length + r for r in rows])
+        return [int(tree.tokens[n]) for n in path] + [bonus], len(path), aux[:, rows]
+
     @torch.no_grad()
     def generate(
         self,
@@ -173,24 +244,17 @@ class SpeculativeDecoder:
         tokens = torch.cat([input_ids[:, 1:], torch.tensor([[next_token]], device=self.device)], 1)
         draft_logits, hidden = self._draft_extend(tokens, aux, 0, draft_cache)
         length = prompt_length  # tokens whose target features are known (and cached)
+        round_ = self._chain_round if self.topk == 1 else self._tree_round
         while len(output) < max_new_tokens and next_token not in eos:
-            # 1. draft
-            draft_tokens = self.draft(draft_logits, hidden, length - 1, draft_cache)
-            # 2. verify: [last token, d_1 .. d_K] at positions length .. length + K
-            verify_ids = torch.cat([torch.tensor([next_token], device=self.device), draft_tokens])
-            target_logits, aux = self._target_forward(verify_ids[None], target_cache)
-            # 3. accept
-            accepted, bonus = self.accept(draft_tokens, target_logits)
-            new_tokens = draft_tokens[:accepted].tolist() + [bonus]
+            new_tokens, accepted, aux = round_(
+                next_token, length, draft_logits, hidden, target_cache, draft_cache
+            )
             stats.verifications += 1
             stats.accepted_per_round.append(accepted)
-            crop_cache(target_cache, length + 1 + accepted)
+            # the draft drops its draft-time entries and extends over the accepted path
             crop_cache(draft_cache, length)
-            # the draft extends over the accepted path: feature at t, token t + 1
             path = torch.tensor([new_tokens], device=self.device)
-            draft_logits, hidden = self._draft_extend(
-                path, aux[:, : accepted + 1], length, draft_cache
-            )
+            draft_logits, hidden = self._draft_extend(path, aux, length, draft_cache)
             length += accepted + 1
             for token in new_tokens:
                 output.append(token)

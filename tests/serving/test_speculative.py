@@ -112,3 +112,67 @@ def test_acceptance_statistics():
     assert stats.tau == 9 / 4
     assert stats.histogram == {0: 1, 1: 2, 3: 1}
     assert stats.acceptance_per_position == [3 / 4, 1 / 3, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("topk", "num_steps", "num_draft_tokens"), [(2, 3, 6), (3, 4, 12), (4, 2, 9)]
+)
+@pytest.mark.parametrize("agree", ["always", "never", "sometimes"])
+def test_tree_drafting_is_lossless(target, topk, num_steps, num_draft_tokens, agree):
+    wrong_at = {
+        "always": lambda t: False,
+        "never": lambda t: True,
+        "sometimes": lambda t: t % 2 == 0,
+    }[agree]
+    for seed in range(3):
+        torch.manual_seed(seed)
+        prompt = torch.randint(0, VOCAB, (1, 4 + seed))
+        reference = greedy_reference(target, prompt, 20)
+        decoder = SpeculativeDecoder(
+            target,
+            StubDraft(reference, wrong_at),
+            aux_layer_ids=[1, 1, 0],
+            num_steps=num_steps,
+            topk=topk,
+            num_draft_tokens=num_draft_tokens,
+        )
+        tokens, stats = decoder.generate(prompt, max_new_tokens=20)
+        assert tokens == reference[prompt.shape[1] :]
+        if agree == "always":
+            assert stats.tau > 1.5
+
+
+def test_tree_with_a_random_draft_is_lossless(target):
+    _, draft = tiny_draft(seed=7)
+    for seed in range(6):
+        torch.manual_seed(200 + seed)
+        prompt = torch.randint(0, VOCAB, (1, 3 + seed))
+        reference = greedy_reference(target, prompt, 20)
+        decoder = SpeculativeDecoder(
+            target, draft, aux_layer_ids=[1, 1, 0], num_steps=3, topk=3, num_draft_tokens=8
+        )
+        tokens, _ = decoder.generate(prompt, max_new_tokens=20)
+        assert tokens == reference[prompt.shape[1] :]
+
+
+def test_tree_of_width_one_is_the_chain(target):
+    _, draft = tiny_draft(seed=5)
+    torch.manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (1, 8))
+    chain = SpeculativeDecoder(target, draft, aux_layer_ids=[1, 1, 0], num_steps=4)
+    tree = SpeculativeDecoder(
+        target, draft, aux_layer_ids=[1, 1, 0], num_steps=4, topk=2, num_draft_tokens=2
+    )  # keeps one node: a 1-token chain
+    one = SpeculativeDecoder(target, draft, aux_layer_ids=[1, 1, 0], num_steps=1)
+    a, stats_a = one.generate(prompt, max_new_tokens=16)
+    b, stats_b = tree.generate(prompt, max_new_tokens=16)
+    assert a == b and stats_a.accepted_per_round == stats_b.accepted_per_round
+    assert chain.generate(prompt, max_new_tokens=16)[0] == a
+
+
+def test_bad_tree_settings_are_rejected(target):
+    _, draft = tiny_draft()
+    with pytest.raises(ValueError, match="num_draft_tokens <= 7"):
+        SpeculativeDecoder(
+            target, draft, aux_layer_ids=[1, 1, 0], num_steps=2, topk=2, num_draft_tokens=50
+        )

@@ -1,0 +1,172 @@
+"""EAGLE-2-style dynamic draft trees: grow ``topk`` branches per step for ``num_steps`` depths,
+keep the ``num_draft_tokens - 1`` nodes with the highest cumulative draft log-probability, and
+verify them in one target forward with a tree attention mask.
+
+Node ``i`` (depth ``d >= 1``) is a target token proposed after the path root -> ... -> parent.
+In the draft it is expanded at position ``last - 1 + d`` (``last`` = the last accepted target
+position, which holds the root token) attending to the prefix and to its ancestors; in the
+target it is verified at position ``last + d`` attending to the prefix, the root and its
+ancestors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
+
+
+@dataclass
+class DraftTree:
+    """The selected nodes, parents before children."""
+
+    tokens: torch.Tensor
+    """(M,) target ids."""
+    parents: torch.Tensor
+    """(M,) index of the parent node in this tree, ``-1`` for the root."""
+    depths: torch.Tensor
+    """(M,) depth, 1..num_steps."""
+
+    def ancestors_mask(self) -> torch.Tensor:
+        """(M, M) bool: node ``i`` may attend to node ``j`` (``j`` is ``i`` or an ancestor)."""
+        size = len(self.tokens)
+        mask = torch.eye(size, dtype=torch.bool)
+        for i in range(size):
+            parent = int(self.parents[i])
+            if parent >= 0:
+                mask[i] |= mask[parent]
+        return mask
+
+    def children(self, node: int) -> list[int]:
+        """Indices of the children of ``node`` (``-1`` = root)."""
+        return [i for i in range(len(self.tokens)) if int(self.parents[i]) == node]
+
+
+@torch.no_grad()
+def build_tree(
+    draft: Eagle3DraftModel,
+    root_logits: torch.Tensor,
+    root_hidden: torch.Tensor,
+    *,
+    last_position: int,
+    cache: DraftKVCache,
+    topk: int,
+    num_steps: int,
+    num_draft_tokens: int,
+) -> DraftTree:
+    """Grow and prune a draft tree (the cache is extended; crop it to the prefix afterwards).
+
+    Args:
+        draft: the draft model.
+        root_logits: (Vd,) draft logits at the last accepted feature (they propose depth 1).
+        root_hidden: (1, 1, H) the draft's hidden state there.
+        last_position: the target position of the root token (the prefix has ``last_position``
+            draft entries, positions ``0 .. last_position - 1``).
+        topk: branches per expanded node, and nodes expanded per depth.
+        num_steps: tree depth.
+        num_draft_tokens: tree size including the root (nodes kept = ``num_draft_tokens - 1``).
+    """
+    device = root_logits.device
+    prefix = cache.length
+    # node tables (grown as the tree grows)
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    scores: list[float] = []
+    entry: dict[int, int] = {}  # node -> its draft cache index once expanded
+
+    def add_children(parent: int, logits: torch.Tensor, base_score: float, depth: int) -> list[int]:
+        log_probs = logits.float().log_softmax(-1)
+        values, draft_ids = log_probs.topk(topk)
+        target_ids = draft.to_target_ids(draft_ids)
+        new = []
+        for value, token in zip(values.tolist(), target_ids.tolist(), strict=True):
+            new.append(len(tokens))
+            tokens.append(token)
+            parents.append(parent)
+            depths.append(depth)
+            scores.append(base_score + value)
+        return new
+
+    frontier = add_children(-1, root_logits, 0.0, 1)
+    frontier_hidden = root_hidden.expand(1, len(frontier), -1)
+    for depth in range(2, num_steps + 1):
+        # 1. expand the frontier (depth - 1) in one draft forward with a tree mask
+        width = len(frontier)
+        mask = torch.zeros(width, cache.length + width, dtype=torch.bool, device=device)
+        mask[:, :prefix] = True
+        for row, node in enumerate(frontier):
+            ancestor = parents[node]
+            while ancestor >= 0:
+                mask[row, entry[ancestor]] = True
+                ancestor = parents[ancestor]
+            mask[row, cache.length + row] = True
+        for row, node in enumerate(frontier):
+            entry[node] = cache.length + row
+        ids = torch.tensor([[tokens[n] for n in frontier]], device=device)
+        positions = torch.full((1, width), last_position - 2 + depth, device=device)
+        logits, hidden = draft(
+            ids, frontier_hidden, positions, cache=cache, attention_mask=mask[None, None]
+        )
+        # 2. each expanded node proposes topk children; the best topk become the new frontier
+        candidates = []
+        for row, node in enumerate(frontier):
+            for child in add_children(node, logits[0, row], scores[node], depth):
+                candidates.append((scores[child], -child, child, row))
+        candidates.sort(reverse=True)
+        chosen = candidates[:topk]
+        frontier = [child for _, _, child, _ in chosen]
+        frontier_hidden = hidden[:, [row for _, _, _, row in chosen]]
+    # 3. keep the best num_draft_tokens - 1 nodes (ancestor-closed), parents first
+    order = sorted(range(len(tokens)), key=lambda n: (-scores[n], n))
+    kept: list[int] = []
+    for node in order:
+        if len(kept) == num_draft_tokens - 1:
+            break
+        if parents[node] < 0 or parents[node] in kept:
+            kept.append(node)
+    kept.sort(key=lambda n: (depths[n], n))
+    index = {node: i for i, node in enumerate(kept)}
+    return DraftTree(
+        tokens=torch.tensor([tokens[n] for n in kept], dtype=torch.long, device=device),
+        parents=torch.tensor(
+            [index[parents[n]] if parents[n] >= 0 else -1 for n in kept], dtype=torch.long
+        ),
+        depths=torch.tensor([depths[n] for n in kept], dtype=torch.long),
+    )
+
+
+def verification_inputs(tree: DraftTree, root_token: int, last_position: int, prefix: int):
+    """Token ids (1, 1 + M), positions (1, 1 + M) and the bool (1, 1, 1 + M, prefix + 1 + M)
+    attention mask that verify the root plus the tree in one target forward."""
+    device = tree.tokens.device
+    size = 1 + len(tree.tokens)
+    ids = torch.cat([torch.tensor([root_token], device=device), tree.tokens])[None]
+    positions = torch.cat([torch.tensor([0]), tree.depths]).to(device)[None] + last_position
+    mask = torch.zeros(size, prefix + size, dtype=torch.bool, device=device)
+    mask[:, : prefix + 1] = True  # everything sees the prefix and the root
+    mask[1:, prefix + 1 :] = tree.ancestors_mask().to(device)
+    return ids, positions, mask[None, None]
+
+
+def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
+    """Walk down the tree while a child equals the target's argmax.
+
+    Args:
+        target_logits: (1 + M, V) the target's logits at the root and at every node.
+
+    Returns:
+        The accepted nodes (tree indices, root to leaf) and the bonus token.
+    """
+    predicted = target_logits.argmax(-1).tolist()
+    path: list[int] = []
+    current = -1
+    while True:
+        want = predicted[current + 1]  # row 0 is the root, row i + 1 is node i
+        match = next((c for c in tree.children(current) if int(tree.tokens[c]) == want), None)
+        if match is None:
+            return path, want
+        path.append(match)
+        current = match
