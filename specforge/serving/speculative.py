@@ -27,6 +27,12 @@ import torch
 
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
 from specforge.models.target import capture_hidden_states
+from specforge.serving.sampling import (
+    accept_chain_sampling,
+    accept_tree_sampling,
+    sample,
+    warp_probs,
+)
 from specforge.serving.tree import accept_greedy, build_tree, verification_inputs
 
 
@@ -98,6 +104,8 @@ class SpeculativeDecoder:
         num_steps: int = 5,
         topk: int = 1,
         num_draft_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
     ):
         """
         Args:
@@ -107,6 +115,8 @@ class SpeculativeDecoder:
             num_steps: draft depth (tokens per chain).
             topk: branches per step; 1 drafts a chain.
             num_draft_tokens: tree size including the root (tree drafting only).
+            temperature: 0 verifies greedily; > 0 samples (lossless rejection sampling).
+            top_p: nucleus filtering of the target distribution when sampling.
 
         Raises:
             ValueError: inconsistent drafting settings.
@@ -125,6 +135,9 @@ class SpeculativeDecoder:
         self.num_steps = num_steps
         self.topk = topk
         self.num_draft_tokens = num_draft_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.generator: torch.Generator | None = None
         self.device = next(target_model.parameters()).device
 
     # -- the target --------------------------------------------------------------------------
@@ -154,24 +167,38 @@ class SpeculativeDecoder:
         logits, hidden = self.draft_model(tokens, aux, positions, cache=cache)
         return logits[0, -1], hidden[:, -1:]
 
+    @property
+    def sampling(self) -> bool:
+        return self.temperature > 0
+
+    def _draft_token(self, logits: torch.Tensor):
+        """The next draft token (target id) and, when sampling, the draft distribution it was
+        drawn from on the target vocabulary."""
+        if not self.sampling:
+            return self.draft_model.to_target_ids(logits.argmax(-1, keepdim=True)), None
+        q = warp_probs(logits, self.temperature, self.top_p)
+        draft_id = torch.multinomial(q, 1, generator=self.generator)
+        vocab_size = self.draft_model.t2d.numel()
+        hot_ids = torch.arange(q.numel(), device=q.device) + self.draft_model.d2t
+        q_target = torch.zeros(vocab_size, device=q.device).index_copy(0, hot_ids, q)
+        return self.draft_model.to_target_ids(draft_id), q_target
+
     @torch.no_grad()
-    def draft(
-        self, logits: torch.Tensor, hidden: torch.Tensor, position: int, cache
-    ) -> torch.Tensor:
+    def draft(self, logits: torch.Tensor, hidden: torch.Tensor, position: int, cache):
         """1. Propose ``num_steps`` target ids as a chain, starting from the draft's logits and
-        hidden state at ``position`` (the last accepted feature)."""
-        tokens = []
+        hidden state at ``position`` (the last accepted feature). Returns the tokens (K,) and,
+        when sampling, their draft distributions (K, V)."""
+        tokens, dists = [], []
         for k in range(self.num_steps):
-            token = self.draft_model.to_target_ids(logits.argmax(-1, keepdim=True))
+            token, dist = self._draft_token(logits)
             tokens.append(token)
+            dists.append(dist)
             if k == self.num_steps - 1:
                 break
             step_position = torch.tensor([[position + 1 + k]], device=self.device)
             step_logits, hidden = self.draft_model(token[None], hidden, step_position, cache=cache)
             logits = step_logits[0, -1]
-        return torch.cat(tokens)
-
-    # -- verify and accept -------------------------------------------------------------------
+        return torch.cat(tokens), (torch.stack(dists) if self.sampling else None)
 
     @staticmethod
     def accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -185,12 +212,18 @@ class SpeculativeDecoder:
     def _chain_round(self, next_token, length, draft_logits, hidden, target_cache, draft_cache):
         """One chain round; returns the emitted tokens, accepted count and their aux rows."""
         # 1. draft
-        draft_tokens = self.draft(draft_logits, hidden, length - 1, draft_cache)
+        draft_tokens, draft_probs = self.draft(draft_logits, hidden, length - 1, draft_cache)
         # 2. verify: [last token, d_1 .. d_K] at positions length .. length + K
         verify_ids = torch.cat([torch.tensor([next_token], device=self.device), draft_tokens])
         target_logits, aux = self._target_forward(verify_ids[None], target_cache)
         # 3. accept
-        accepted, bonus = self.accept(draft_tokens, target_logits)
+        if self.sampling:
+            target_probs = warp_probs(target_logits, self.temperature, self.top_p)
+            accepted, bonus = accept_chain_sampling(
+                draft_tokens, draft_probs, target_probs, self.generator
+            )
+        else:
+            accepted, bonus = self.accept(draft_tokens, target_logits)
         crop_cache(target_cache, length + 1 + accepted)
         return draft_tokens[:accepted].tolist() + [bonus], accepted, aux[:, : accepted + 1]
 
@@ -211,7 +244,11 @@ class SpeculativeDecoder:
         ids, positions, mask = verification_inputs(tree, next_token, length, prefix=length)
         target_logits, aux = self._target_forward(ids, target_cache, positions, mask)
         # 3. accept the longest matching path; keep its cache rows only
-        path, bonus = accept_greedy(tree, target_logits)
+        if self.sampling:
+            target_probs = warp_probs(target_logits, self.temperature, self.top_p)
+            path, bonus = accept_tree_sampling(tree, target_probs, self.generator)
+        else:
+            path, bonus = accept_greedy(tree, target_logits)
         rows = [0] + [node + 1 for node in path]
         gather_cache(target_cache, list(range(length)) + [length + r for r in rows])
         return [int(tree.tokens[n]) for n in path] + [bonus], len(path), aux[:, rows]
@@ -223,8 +260,10 @@ class SpeculativeDecoder:
         *,
         max_new_tokens: int,
         eos_token_ids: list[int] | tuple[int, ...] = (),
+        generator: torch.Generator | None = None,
     ) -> tuple[list[int], SpecStats]:
         """Generate up to ``max_new_tokens`` after ``input_ids`` (1, T), stopping after an EOS.
+        ``generator`` seeds sampling (``temperature > 0``).
 
         Returns:
             The new token ids (EOS included when generated) and the round statistics.
@@ -238,8 +277,12 @@ class SpeculativeDecoder:
         prompt_length = input_ids.shape[1]
         # prefill: the target over the prompt, then the draft over its features
         target_cache, draft_cache = DynamicCache(), DraftKVCache()
+        self.generator = generator
         logits, aux = self._target_forward(input_ids, target_cache)
-        next_token = int(logits[-1].argmax())
+        if self.sampling:
+            next_token = sample(warp_probs(logits[-1], self.temperature, self.top_p), generator)
+        else:
+            next_token = int(logits[-1].argmax())
         output = [next_token]
         tokens = torch.cat([input_ids[:, 1:], torch.tensor([[next_token]], device=self.device)], 1)
         draft_logits, hidden = self._draft_extend(tokens, aux, 0, draft_cache)

@@ -1,0 +1,120 @@
+"""Sampling verification follows the target's distribution exactly (chi-square tests)."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specforge.data.vocab import build_vocab_map
+from specforge.models.eagle3 import Eagle3Config, build_draft_model
+from specforge.serving.sampling import warp_probs
+from specforge.serving.speculative import SpeculativeDecoder
+from tests.conftest import make_tiny_llama
+
+VOCAB, DRAWS, TEMPERATURE = 8, 6000, 1.0
+PROMPT = torch.tensor([[3, 1, 4, 1]])
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = make_tiny_llama(VOCAB, num_layers=4, seed=11, initializer_range=0.3).float()
+    other = make_tiny_llama(VOCAB, num_layers=4, seed=12, initializer_range=0.3).float()
+    config = Eagle3Config.from_target(target.config, draft_vocab_size=6)  # 2 ids unreachable
+    vocab = build_vocab_map(torch.arange(VOCAB), 6)
+    draft = build_draft_model(
+        config,
+        target_embedding=target.get_input_embeddings().weight,
+        target_lm_head=other.get_output_embeddings().weight,
+        d2t=vocab.d2t,
+        t2d=vocab.t2d,
+        seed=3,
+    )
+    return target, draft
+
+
+def exact_joint(target, length: int, top_p: float) -> dict[tuple[int, ...], float]:
+    """P(first `length` sampled tokens) under the target, by enumerating prefixes."""
+    probs = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for prefix, mass in probs.items():
+            ids = torch.cat([PROMPT, torch.tensor([prefix], dtype=torch.long)], 1)
+            with torch.no_grad():
+                p = warp_probs(target(ids).logits[0, -1], TEMPERATURE, top_p)
+            for token in range(VOCAB):
+                grown[prefix + (token,)] = mass * float(p[token])
+        probs = grown
+    return probs
+
+
+def draw(decoder, length: int) -> dict[tuple[int, ...], int]:
+    generator = torch.Generator().manual_seed(1234)
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(DRAWS):
+        tokens, _ = decoder.generate(PROMPT, max_new_tokens=length, generator=generator)
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    return counts
+
+
+def chi_square_p(counts, expected_probs, min_expected=5.0) -> float:
+    """p-value of observed counts against expected probabilities (sparse cells pooled)."""
+    cells = sorted(expected_probs, key=expected_probs.get, reverse=True)
+    observed, expected, pool_o, pool_e = [], [], 0, 0.0
+    for cell in cells:
+        e = expected_probs[cell] * DRAWS
+        if e >= min_expected:
+            observed.append(counts.get(cell, 0))
+            expected.append(e)
+        else:
+            pool_o += counts.get(cell, 0)
+            pool_e += e
+    if pool_e > 0:
+        observed.append(pool_o)
+        expected.append(pool_e)
+    else:
+        assert pool_o == 0, "draws in cells the target gives no mass"
+    scale = sum(observed) / sum(expected)  # float rounding only; the expectations sum to 1
+    return float(chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+@pytest.mark.slow  # 3 x 6000 speculative generations, ~2.5 minutes on 2 cores
+@pytest.mark.parametrize(
+    ("topk", "num_steps", "num_draft_tokens", "top_p"),
+    [(1, 2, None, 1.0), (1, 2, None, 0.8), (2, 2, 4, 1.0)],
+    ids=["chain", "chain-top-p", "tree"],
+)
+def test_speculative_sampling_matches_the_target(models, topk, num_steps, num_draft_tokens, top_p):
+    target, draft = models
+    decoder = SpeculativeDecoder(
+        target,
+        draft,
+        aux_layer_ids=[1, 1, 0],
+        num_steps=num_steps,
+        topk=topk,
+        num_draft_tokens=num_draft_tokens,
+        temperature=TEMPERATURE,
+        top_p=top_p,
+    )
+    # tokens 2 and 3 are decided by the first verification round
+    counts = draw(decoder, 3)
+    expected = exact_joint(target, 3, top_p)
+    assert chi_square_p(counts, expected) > 1e-3
+    # the second token alone (decided by accept / residual sampling)
+    second = {v: sum(c for k, c in counts.items() if k[1] == v) for v in range(VOCAB)}
+    expected_second = {v: sum(p for k, p in expected.items() if k[1] == v) for v in range(VOCAB)}
+    assert chi_square_p(second, expected_second) > 1e-3
+    # power: the same draws reject the second-token distribution with a 2% bias
+    top = sorted(expected_second, key=expected_second.get, reverse=True)
+    biased = dict(expected_second)
+    biased[top[1]] -= 0.02
+    biased[top[2]] += 0.02
+    assert chi_square_p(second, biased) < 1e-3
+
+
+def test_sampling_needs_a_positive_temperature():
+    with pytest.raises(ValueError, match="temperature > 0, got 0"):
+        warp_probs(torch.zeros(4), 0)
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = warp_probs(torch.tensor([[2.0, 1.0, 0.0, -1.0]]).log_softmax(-1) * 1.0, 1.0, 0.7)
+    assert (probs[0, 2:] == 0).all() and torch.isclose(probs.sum(), torch.tensor(1.0))
