@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from specforge.config import ConfigError, load_config
 
@@ -146,6 +147,56 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="accept length and speedup of an exported draft vs the target alone (MT-Bench)",
+        description="Run the target alone, prompt-lookup decoding and the EAGLE-3 runtime on the "
+        "same prompts (greedy, batch size 1) and write bench.json / bench.md / bench.png.",
+    )
+    p.add_argument("--target", required=True, help="HF model id, local folder, or smollm2-135m")
+    p.add_argument("--draft", required=True, help="an export directory (specforge export)")
+    p.add_argument(
+        "--questions",
+        default="builtin-eval",
+        help="FastChat question.jsonl, an HF dataset name "
+        "(HuggingFaceH4/mt_bench_prompts), a conversations file, or builtin-eval",
+    )
+    p.add_argument("--num-steps", type=int, default=5)
+    p.add_argument("--topk", type=int, default=1)
+    p.add_argument("--num-draft-tokens", type=int)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--system-prompt", help="default: the chat template's own")
+    p.add_argument("--limit", type=int, help="first N questions only")
+    p.add_argument("--output", default="outputs/bench")
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from specforge.serving.bench import BenchSettings, run_bench
+
+    settings = BenchSettings(
+        target=args.target,
+        draft=args.draft,
+        questions=args.questions,
+        num_steps=args.num_steps,
+        topk=args.topk,
+        num_draft_tokens=args.num_draft_tokens,
+        max_new_tokens=args.max_new_tokens,
+        dtype=args.dtype,
+        device=args.device,
+        system_prompt=args.system_prompt,
+        limit=args.limit,
+        output=args.output,
+    )
+    result = run_bench(settings)
+    print((Path(args.output) / "bench.md").read_text())
+    print(f"wrote {args.output}/bench.json, bench.md, bench.png")
+    return 0 if result["turns"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specforge", description="Train and evaluate EAGLE-3 draft models."
@@ -155,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     _prepare_parser(sub)
     _train_parser(sub)
     _export_parser(sub)
+    _bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,78 @@
+import json
+
+from specforge.cli import main
+from specforge.data.benchmarks import BUILTIN_EVAL, load_questions
+from specforge.trainer.train import train
+from tests.trainer.helpers import tiny_train_config
+
+
+def test_bench_cli_end_to_end(tmp_path, peaked_target_dir):
+    folder, data = peaked_target_dir
+    run = train(tiny_train_config(folder, data, tmp_path / "run", "train.max_steps=3"))
+    export = tmp_path / "export"
+    assert main(["export", str(run["checkpoint"]), str(export), "--dtype", "float32"]) == 0
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(
+        json.dumps({"question_id": 1, "category": "math", "turns": ["add the numbers", "again"]})
+        + "\n"
+        + json.dumps({"question_id": 2, "category": "writing", "turns": ["the thin end"]})
+        + "\n"
+    )
+    out = tmp_path / "bench"
+    code = main(
+        [
+            "bench",
+            "--target",
+            str(folder),
+            "--draft",
+            str(export),
+            "--questions",
+            str(questions),
+            "--num-steps",
+            "3",
+            "--max-new-tokens",
+            "12",
+            "--output",
+            str(out),
+        ]
+    )
+    assert code == 0
+    result = json.loads((out / "bench.json").read_text())
+    for key in (
+        "tau",
+        "tau_sglang",
+        "speedup",
+        "all_match",
+        "per_category",
+        "acceptance_per_position",
+        "tokens_per_s",
+    ):
+        assert key in result
+    assert result["all_match"] is True and result["turns"] == 3
+    assert set(result["per_category"]) == {"math", "writing"}
+    assert len(result["acceptance_per_position"]) == 3 and result["tau"] >= 1.0
+    assert result["tau_sglang"] >= result["tau"]
+    assert (out / "bench.png").stat().st_size > 1000 and "tau_sglang" in (
+        out / "bench.md"
+    ).read_text()
+
+
+def test_question_sources(tmp_path):
+    held_out = load_questions(BUILTIN_EVAL)
+    assert 20 < len(held_out) < 60 and all(q.turns for q in held_out)
+    conversations = tmp_path / "c.jsonl"
+    conversations.write_text(
+        json.dumps(
+            {
+                "id": "x",
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "c"},
+                ],
+            }
+        )
+        + "\n"
+    )
+    (question,) = load_questions(str(conversations))
+    assert question.turns == ["a", "c"] and question.category == "conversations"
