@@ -197,6 +197,46 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0 if result["turns"] else 1
 
 
+def _quickstart_parser(sub) -> None:
+    p = sub.add_parser(
+        "quickstart",
+        help="prepare, train, export and bench the embedded default (SmolLM2-135M) on this CPU",
+        description="The whole pipeline on the embedded default, offline: self-distill the "
+        "built-in prompts, train the default recipe, export to OUTPUT/export, then measure the "
+        "accept length and speedup (MT-Bench when reachable, else held-out built-in prompts).",
+    )
+    p.add_argument("--output", default="outputs/quickstart")
+    p.add_argument("--questions", help="MT-Bench question.jsonl (or any question set)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-steps", type=int, default=5)
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted recipe overrides")
+    p.set_defaults(run=_run_quickstart)
+
+
+def _run_quickstart(args: argparse.Namespace) -> int:
+    from specforge.quickstart import quickstart
+
+    result = quickstart(
+        args.output,
+        questions=args.questions,
+        max_new_tokens=args.max_new_tokens,
+        num_steps=args.num_steps,
+        overrides=args.overrides,
+    )
+    print((Path(args.output) / "bench" / "bench.md").read_text())
+    q = result["quickstart"]
+    print(f"questions: {q['questions']}   export: {args.output}/export")
+    print(
+        f"accept length tau = {result['tau']:.2f}   speedup = {result['speedup']:.2f}x   "
+        f"identical to the target: {result['all_match']}"
+    )
+    print(
+        f"time: prepare+train {q['prepare_and_train_s']:.0f} s, export {q['export_s']:.0f} s, "
+        f"bench {q['bench_s']:.0f} s"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specforge", description="Train and evaluate EAGLE-3 draft models."
@@ -207,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _export_parser(sub)
     _bench_parser(sub)
+    _quickstart_parser(sub)
     return parser
 
 
