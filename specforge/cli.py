@@ -155,7 +155,16 @@ def _bench_parser(sub) -> None:
         "same prompts (greedy, batch size 1) and write bench.json / bench.md / bench.png.",
     )
     p.add_argument("--target", required=True, help="HF model id, local folder, or smollm2-135m")
-    p.add_argument("--draft", required=True, help="an export directory (specforge export)")
+    p.add_argument("--draft", help="an export directory (specforge export); builtin engine")
+    p.add_argument(
+        "--engine",
+        default="builtin",
+        choices=["builtin", "sglang"],
+        help="builtin: our runtime vs the target alone; sglang: a running server",
+    )
+    p.add_argument(
+        "--url", help="SGLang server URL for --engine sglang, e.g. http://127.0.0.1:30000"
+    )
     p.add_argument(
         "--questions",
         default="builtin-eval",
@@ -177,6 +186,10 @@ def _bench_parser(sub) -> None:
 def _run_bench(args: argparse.Namespace) -> int:
     from specforge.serving.bench import BenchSettings, run_bench
 
+    if args.engine == "sglang":
+        return _run_sglang_bench(args)
+    if not args.draft:
+        raise ValueError("--draft EXPORT_DIR is required with --engine builtin")
     settings = BenchSettings(
         target=args.target,
         draft=args.draft,
@@ -235,6 +248,25 @@ def _run_quickstart(args: argparse.Namespace) -> int:
         f"bench {q['bench_s']:.0f} s"
     )
     return 0
+
+
+def _run_sglang_bench(args: argparse.Namespace) -> int:
+    from specforge.models.target import load_tokenizer
+    from specforge.serving.sglang_client import run_sglang_bench
+
+    if not args.url:
+        raise ValueError("--engine sglang needs --url (the running server)")
+    result = run_sglang_bench(
+        args.url,
+        load_tokenizer(args.target),
+        args.questions,
+        max_new_tokens=args.max_new_tokens,
+        output=args.output,
+        system_prompt=args.system_prompt,
+        limit=args.limit,
+    )
+    print((Path(args.output) / "bench.md").read_text())
+    return 0 if result["turns"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
