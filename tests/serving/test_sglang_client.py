@@ -18,10 +18,7 @@ def server(tiny_target_dir):
     from specforge.models.target import load_target
 
     target, _ = load_target(str(tiny_target_dir), dtype="float32")
-    _, draft = tiny_draft()
-    decoder = SpeculativeDecoder(
-        target, _resize(draft, target), aux_layer_ids=[1, 1, 0], num_steps=3
-    )
+    decoder = SpeculativeDecoder(target, random_draft(target), aux_layer_ids=[1, 1, 0], num_steps=3)
     served = {"completion_tokens": 0, "spec_verify_ct": 0}
 
     class Handler(BaseHTTPRequestHandler):
