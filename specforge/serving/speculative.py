@@ -1,7 +1,9 @@
-"""The built-in speculative runtime (batch size 1): an EAGLE-3 draft proposes a chain of tokens,
-the target verifies them in one forward pass, and the longest agreeing prefix plus the target's
-own next token is emitted. Greedy verification is lossless: the output equals the target's own
-greedy decoding token for token (an fp32 property; see the tests).
+"""The built-in speculative runtime (batch size 1): an EAGLE-3 draft proposes a chain (or a
+tree, :mod:`specforge.serving.tree`) of tokens, the target verifies them in one forward pass, and
+the longest accepted prefix plus one token of the target's is emitted. Greedy verification is
+lossless: the output equals the target's own greedy decoding token for token (an fp32 property;
+see the tests); sampling verification (:mod:`specforge.serving.sampling`) keeps the target's
+distribution exactly.
 
 A round, in small verbs:
 
@@ -123,6 +125,10 @@ class SpeculativeDecoder:
         """
         if num_steps < 1 or topk < 1:
             raise ValueError(f"num_steps and topk must be >= 1, got {num_steps}, {topk}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(
+                f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}"
+            )
         largest = 1 + topk + (num_steps - 1) * topk * topk
         if topk > 1 and not (num_draft_tokens and 2 <= num_draft_tokens <= largest):
             raise ValueError(
