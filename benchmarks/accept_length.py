@@ -1,0 +1,93 @@
+"""Accept length and speedup of an exported draft, chain vs tree, with the training run's
+predicted accept length beside the measured one; writes JSON + a table.
+
+    python benchmarks/accept_length.py --target smollm2-135m \
+        --draft outputs/smollm2-135m-eagle3/export --questions builtin-eval \
+        --metrics outputs/smollm2-135m-eagle3/metrics.jsonl --max-new-tokens 128
+
+Each configuration is a full ``specforge bench`` run (target alone, prompt lookup and the
+EAGLE-3 runtime on the same prompts, greedy, batch size 1); its report lands in
+``<output>/<name>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from specforge.io import write_json_atomic
+from specforge.serving.bench import BenchSettings, run_bench
+
+CONFIGURATIONS = {
+    "chain-5": {"num_steps": 5, "topk": 1, "num_draft_tokens": None},
+    "tree-5x4-16": {"num_steps": 5, "topk": 4, "num_draft_tokens": 16},
+}
+
+
+def predicted_tau(metrics: Path) -> float | None:
+    """The last eval ``tau_pred`` of a training run's metrics.jsonl."""
+    if not metrics.is_file():
+        return None
+    evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["split"] == "eval"]
+    return evals[-1]["tau_pred"] if evals else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--draft", default="outputs/smollm2-135m-eagle3/export")
+    parser.add_argument("--questions", default="builtin-eval")
+    parser.add_argument("--metrics", default="outputs/smollm2-135m-eagle3/metrics.jsonl")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--limit", type=int)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--output", default="outputs/bench/accept_length")
+    args = parser.parse_args()
+    rows = {}
+    for name, drafting in CONFIGURATIONS.items():
+        result = run_bench(
+            BenchSettings(
+                target=args.target,
+                draft=args.draft,
+                questions=args.questions,
+                max_new_tokens=args.max_new_tokens,
+                limit=args.limit,
+                dtype=args.dtype,
+                output=str(Path(args.output) / name),
+                **drafting,
+            )
+        )
+        rows[name] = {
+            k: result[k]
+            for k in (
+                "tau",
+                "tau_sglang",
+                "speedup",
+                "speedup_prompt_lookup",
+                "all_match",
+                "tokens_per_s",
+                "acceptance_per_position",
+            )
+        }
+    summary = {
+        "predicted_tau": predicted_tau(Path(args.metrics)),
+        "runs": rows,
+        "questions": args.questions,
+        "max_new_tokens": args.max_new_tokens,
+    }
+    write_json_atomic(Path(args.output) / "summary.json", summary)
+    print(f"\npredicted tau (training eval, chain of ttt_length): {summary['predicted_tau']}")
+    print("| drafting | tau | tau_sglang | speedup | prompt lookup | identical | eagle3 tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(
+            f"| {name} | {r['tau']:.3f} | {r['tau_sglang']:.3f} | {r['speedup']:.2f}x | "
+            f"{r['speedup_prompt_lookup']:.2f}x | {r['all_match']} | "
+            f"{r['tokens_per_s']['eagle3']:.1f} |"
+        )
+    print(f"\nwrote {args.output}/summary.json")
+
+
+if __name__ == "__main__":
+    main()
