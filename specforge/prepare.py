@@ -20,10 +20,9 @@ from specforge.data.chat import set_chat_template, tokenize_conversations
 from specforge.data.conversations import Conversation, load_conversations
 from specforge.data.regenerate import read_records, regenerate_conversations
 from specforge.data.vocab import (
-    build_vocab_map,
-    count_token_frequencies,
     end_of_turn_ids,
     save_vocab_map,
+    vocab_map_from_samples,
 )
 from specforge.io import write_json_atomic, write_jsonl_atomic
 from specforge.models.target import load_target, load_target_config, load_tokenizer
@@ -106,16 +105,17 @@ def prepare(cfg: SpecForgeConfig) -> PrepareResult:
             dtype=cfg.target.dtype,
             trust_remote_code=cfg.target.trust_remote_code,
         ).vocab_size
-        counts = count_token_frequencies(((s.input_ids, s.loss_mask) for s in samples), vocab_size)
-        draft_vocab_size = min(cfg.vocab.draft_vocab_size, vocab_size)
-        vocab_map = build_vocab_map(
-            counts, draft_vocab_size, always_include=end_of_turn_ids(tokenizer)
+        vocab_map, counts = vocab_map_from_samples(
+            samples,
+            vocab_size=vocab_size,
+            draft_vocab_size=cfg.vocab.draft_vocab_size,
+            end_of_turn=end_of_turn_ids(tokenizer),
         )
         save_vocab_map(vocab_map, cfg.prepare.vocab_output)
         covered = counts[vocab_map.t2d].sum() / counts.sum().clamp(min=1)
         result.stats["vocab"] = {
             "path": cfg.prepare.vocab_output,
-            "draft_vocab_size": draft_vocab_size,
+            "draft_vocab_size": vocab_map.draft_vocab_size,
             "distinct_assistant_tokens": int((counts > 0).sum()),
             "assistant_token_coverage": round(float(covered), 4),
         }

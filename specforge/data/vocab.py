@@ -136,6 +136,22 @@ def build_vocab_map(
     return vocab_map
 
 
+def vocab_map_from_samples(
+    samples, *, vocab_size: int, draft_vocab_size: int, end_of_turn: list[int]
+) -> tuple[VocabMap, torch.Tensor]:
+    """The draft vocabulary of tokenized samples (``.input_ids``/``.loss_mask``): counts over
+    their assistant tokens, ``draft_vocab_size`` capped at ``vocab_size``, end-of-turn ids kept.
+
+    Returns:
+        The map and the (vocab_size,) counts it was built from.
+    """
+    counts = count_token_frequencies(((s.input_ids, s.loss_mask) for s in samples), vocab_size)
+    vocab_map = build_vocab_map(
+        counts, min(draft_vocab_size, vocab_size), always_include=end_of_turn
+    )
+    return vocab_map, counts
+
+
 def save_vocab_map(vocab_map: VocabMap, path: str | Path) -> None:
     """Write ``d2t``/``t2d`` to a safetensors file (temp file + rename)."""
     path = Path(path)

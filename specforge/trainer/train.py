@@ -35,10 +35,9 @@ from specforge.data.chat import set_chat_template, tokenize_conversations
 from specforge.data.conversations import Conversation
 from specforge.data.regenerate import read_records
 from specforge.data.vocab import (
-    build_vocab_map,
-    count_token_frequencies,
     end_of_turn_ids,
     save_vocab_map,
+    vocab_map_from_samples,
 )
 from specforge.io import write_jsonl_atomic
 from specforge.models.eagle3 import Eagle3Config, Eagle3DraftModel, build_draft_model
@@ -240,13 +239,11 @@ def train(cfg: SpecForgeConfig, *, stop_after_step: int | None = None) -> dict[s
     samples = load_training_samples(cfg, tokenizer, ranks)
     train_samples, eval_samples = split_train_eval(samples, tc.eval_fraction)
     vocab_size = target_model.config.vocab_size
-    counts = count_token_frequencies(
-        ((s.input_ids, s.loss_mask) for s in train_samples), vocab_size
-    )
-    vocab_map = build_vocab_map(
-        counts,
-        min(cfg.vocab.draft_vocab_size, vocab_size),
-        always_include=end_of_turn_ids(tokenizer, target_model.generation_config),
+    vocab_map, _ = vocab_map_from_samples(
+        train_samples,
+        vocab_size=vocab_size,
+        draft_vocab_size=cfg.vocab.draft_vocab_size,
+        end_of_turn=end_of_turn_ids(tokenizer, target_model.generation_config),
     )
     draft_config = Eagle3Config.from_target(
         target_model.config, draft_vocab_size=vocab_map.draft_vocab_size
