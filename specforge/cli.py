@@ -91,6 +91,76 @@ def _print_stats(stats: dict) -> None:
             print(f"  {key:<28} {value}")
 
 
+def _capture_parser(sub) -> None:
+    p = sub.add_parser(
+        "capture",
+        help="capture the target's hidden states to sharded safetensors (offline training)",
+        description="Run the frozen target over the conversations once and write sharded "
+        "safetensors + manifest.json for `data.mode: offline` training. Rerun the same command "
+        "after an interruption: complete shards are kept. Under torchrun each rank captures "
+        "its own shards. With --verify DIR, re-check a capture's checksums and shapes instead.",
+    )
+    p.add_argument("--config", help="YAML recipe (see configs/)")
+    p.add_argument("--target", help="HF model id, local folder, or smollm2-135m")
+    p.add_argument("--data", nargs="+", metavar="SOURCE", help="conversations (.jsonl, HF, ...)")
+    p.add_argument("--output", help="capture directory (default OUTPUT_DIR/hidden_states)")
+    p.add_argument("--limit", type=int, help="use only the first N conversations")
+    p.add_argument("--max-length", type=int, help="tokens per sample (longer are truncated)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="target dtype")
+    p.add_argument("--store-dtype", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", help="torch device for the target")
+    p.add_argument("--shard-size-mb", type=float)
+    p.add_argument("--verify", metavar="DIR", help="re-check the capture in DIR and exit")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    p.set_defaults(run=_run_capture)
+
+
+CAPTURE_FLAGS = {
+    "target": "target.name_or_path",
+    "output": "capture.output",
+    "limit": "data.limit",
+    "max_length": "data.max_length",
+    "dtype": "target.dtype",
+    "store_dtype": "capture.dtype",
+    "device": "target.device",
+    "shard_size_mb": "capture.shard_size_mb",
+}
+
+
+def _run_capture(args: argparse.Namespace) -> int:
+    if args.verify:
+        from specforge.data.hidden_states import read_manifest, verify_capture
+
+        problems = verify_capture(args.verify)
+        manifest = read_manifest(args.verify)
+        for problem in problems:
+            print(f"  {problem}")
+        print(
+            f"{args.verify}: {len(manifest['shards'])} shards, {manifest['num_samples']} samples, "
+            f"{manifest['num_tokens']} tokens: {'OK' if not problems else 'BROKEN'}"
+        )
+        return 0 if not problems else 1
+    from specforge.capture import capture
+
+    overrides = list(args.overrides) + _flag_overrides(args, CAPTURE_FLAGS)
+    if args.data:
+        overrides.append(f"data.inputs={json.dumps(args.data)}")
+    result = capture(load_config(args.config, overrides))
+    if result.manifest is not None:
+        manifest = json.loads(result.manifest.read_text())
+        print(
+            f"\nwrote {result.manifest}: {len(manifest['shards'])} shards "
+            f"({result.shards_written} now, {result.shards_skipped} already complete), "
+            f"{manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
+            f"{manifest['bytes'] / 2**20:.1f} MiB, {manifest['bytes_per_token']} bytes/token"
+        )
+        rate = result.tokens_captured / max(result.seconds, 1e-9)
+        print(
+            f"captured {result.tokens_captured} tokens in {result.seconds:.1f} s ({rate:.0f} tok/s)"
+        )
+    return 0
+
+
 def _train_parser(sub) -> None:
     p = sub.add_parser(
         "train",
@@ -276,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _prepare_parser(sub)
+    _capture_parser(sub)
     _train_parser(sub)
     _export_parser(sub)
     _bench_parser(sub)

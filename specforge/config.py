@@ -56,12 +56,16 @@ class TargetConfig:
 class DataConfig:
     """Where conversations come from and how they are tokenized."""
 
+    mode: Literal["online", "offline"] = "online"
+    """``online``: the target runs inside each training step. ``offline``: training reads the
+    hidden states ``specforge capture`` wrote to ``capture.output`` (no target weights but the
+    embedding, ``lm_head`` and final norm)."""
     inputs: list[str] = field(default_factory=list)
     """Conversation sources: ``.json``/``.jsonl`` files, folders written by
     ``datasets.save_to_disk``, or HF dataset names. Empty means the built-in prompt set."""
     split: str = "train"
     """Split to read from HF datasets (ignored for local files)."""
-    format: Literal["auto", "sharegpt", "openai", "ultrachat"] = "auto"
+    format: Literal["auto", "sharegpt", "openai", "ultrachat", "qa"] = "auto"
     """Record layout; ``auto`` detects it per record."""
     builtin_split: Literal["train", "eval", "all"] = "train"
     """Which part of the built-in prompt set to use when ``inputs`` is empty. ``eval`` is held
@@ -137,6 +141,29 @@ class PrepareConfig:
 
 
 @dataclass
+class CaptureConfig:
+    """Offline hidden-state capture (``specforge capture``): shards of safetensors + a manifest."""
+
+    output: str | None = None
+    """Capture directory; defaults to ``<output_dir>/hidden_states``. Offline training reads it."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of the stored hidden states."""
+    shard_size_mb: float = 256.0
+    """Target size of one shard file in MiB (a shard holds whole samples, so sizes vary)."""
+    batch_tokens: int = 8192
+    """Padded tokens per target forward (samples are sorted by length, so padding is small)."""
+    max_batch_size: int = 32
+    """Samples per target forward at most."""
+
+    def __post_init__(self) -> None:
+        if self.shard_size_mb <= 0:
+            raise ConfigError(f"capture.shard_size_mb must be > 0, got {self.shard_size_mb}")
+        for name in ("batch_tokens", "max_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"capture.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
 class TrainConfig:
     """EAGLE-3 training with training-time test (DESIGN §3.3)."""
 
@@ -171,6 +198,15 @@ class TrainConfig:
     save_every: int = 200
     resume: bool = False
     """Continue from the newest checkpoint in ``<output_dir>/checkpoints``."""
+    num_workers: int = 1
+    """Offline mode: DataLoader workers that read shards ahead of the step (0: in-process)."""
+    target_sharding: Literal["replicate", "fsdp"] = "replicate"
+    """Online mode under torchrun: every rank holds the whole frozen target (``replicate``), or
+    its decoder layers are sharded across ranks with FSDP2 ``fully_shard`` (``fsdp``, for
+    targets that do not fit one device; embedding, norm and ``lm_head`` stay whole)."""
+    zero_optimizer: bool = False
+    """Shard the draft's AdamW state across ranks (ZeRO stage 1, PyTorch's
+    ``ZeroRedundancyOptimizer``); the draft itself stays replicated under DDP."""
     tensorboard: bool = False
     wandb: bool = False
     """Log to Weights & Biases in offline mode (sync later with ``wandb sync``)."""
@@ -187,6 +223,8 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_workers < 0:
+            raise ConfigError(f"train.num_workers must be >= 0, got {self.num_workers}")
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError(f"train.eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.lr <= 0:
@@ -202,6 +240,7 @@ class SpecForgeConfig:
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output_dir: str = "outputs/specforge"
     """Directory for everything the recipe writes."""
@@ -212,6 +251,18 @@ class SpecForgeConfig:
         if self.prepare.output:
             return Path(self.prepare.output)
         return Path(self.output_dir) / "conversations.jsonl"
+
+    @property
+    def training_data_path(self) -> Path:
+        """The conversations training (and capture) read: ``train.data_path`` or prepare's."""
+        return Path(self.train.data_path) if self.train.data_path else self.conversations_path
+
+    @property
+    def capture_dir(self) -> Path:
+        """Where ``specforge capture`` writes and offline training reads hidden states."""
+        if self.capture.output:
+            return Path(self.capture.output)
+        return Path(self.output_dir) / "hidden_states"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -125,3 +125,21 @@ def prepare(cfg: SpecForgeConfig) -> PrepareResult:
     stats_path = output.with_name(output.stem + ".stats.json")
     write_json_atomic(stats_path, result.stats)
     return result
+
+
+def ensure_training_data(cfg: SpecForgeConfig, ranks) -> Path:
+    """The conversations training and capture read (``train.data_path``, else prepare's
+    output), running prepare first (on rank 0) when the latter is missing.
+
+    Raises:
+        FileNotFoundError: ``train.data_path`` was given and does not exist.
+    """
+    path = cfg.training_data_path
+    if not path.exists():
+        if cfg.train.data_path:
+            raise FileNotFoundError(f"train.data_path does not exist: {path}")
+        if ranks.is_main:
+            logger.info("%s is missing: running prepare first", path)
+            prepare(cfg)
+        ranks.barrier()
+    return path

@@ -130,3 +130,38 @@ def test_cli_self_distillation_resumes(tmp_path):
         answer = record["messages"][-1]["content"]
         assert len(answer.split()) >= 3  # real text, not empty or special tokens
         assert "<|im_end|>" not in answer
+
+
+def test_cli_capture_then_offline_training(tmp_path):
+    """`specforge capture` on the real target, `--verify`, then two offline training steps."""
+    data = tmp_path / "gsm8k.jsonl"
+    with data.open("w") as f:
+        for i in range(6):
+            question = f"Tom has {i + 3} apples and buys {2 * i + 1} more. How many now?"
+            answer = f"Tom has {i + 3} + {2 * i + 1} = {3 * i + 4} apples.\n#### {3 * i + 4}"
+            f.write(json.dumps({"question": question, "answer": answer}) + "\n")
+    out = tmp_path / "capture"
+    cli = [sys.executable, "-m", "specforge.cli"]
+    capture = ["capture", "--target", "smollm2-135m", "--data", str(data), "--output", str(out)]
+    done = subprocess.run(cli + capture, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["num_samples"] == 6 and manifest["aux_layer_ids"] == [1, 14, 26]
+    assert manifest["target"]["hidden_size"] == 576 and manifest["dtype"] == "bfloat16"
+    assert manifest["bytes_per_token"] < 8 * 576  # the aux + last-for-every-token layout, bf16
+    verify = subprocess.run(cli + ["capture", "--verify", str(out)], capture_output=True, text=True)
+    assert verify.returncode == 0 and "OK" in verify.stdout
+    train = [
+        "train",
+        "--max-steps",
+        "2",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "data.mode=offline",
+        f"capture.output={out}",
+        "vocab.draft_vocab_size=512",
+        "train.eval_fraction=0",
+    ]
+    done = subprocess.run(cli + train, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "run" / "checkpoints" / "step_2" / "draft.safetensors").is_file()

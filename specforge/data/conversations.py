@@ -10,6 +10,7 @@ Accepted record layouts (``format: auto`` picks per record by its keys):
 - ShareGPT: ``{"id": ..., "conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}``
 - OpenAI messages: ``{"id": ..., "messages": [{"role": ..., "content": ...}]}``
 - UltraChat-style: ``{"id": ..., "data": ["user turn", "assistant turn", ...]}``
+- Question/answer (GSM8K and similar): ``{"question": ..., "answer": ...}``, one exchange
 """
 
 from __future__ import annotations
@@ -90,12 +91,15 @@ def normalize_record(record: Any, fmt: str = "auto") -> tuple[str | None, list[d
     if fmt == "auto":
         fmt = next((f for f, key in _FORMAT_KEYS.items() if key in record), "")
         if not fmt:
-            raise MalformedRecord("no 'messages', 'conversations' or 'data' field")
-    key = _FORMAT_KEYS[fmt]
-    turns = record.get(key)
-    if not isinstance(turns, list) or not turns:
-        raise MalformedRecord(f"'{key}' must be a non-empty list")
-    messages = _READERS[fmt](turns)
+            raise MalformedRecord("no 'messages', 'conversations', 'data' or 'question' field")
+    if fmt == "qa":
+        messages = _read_qa(record)
+    else:
+        key = _FORMAT_KEYS[fmt]
+        turns = record.get(key)
+        if not isinstance(turns, list) or not turns:
+            raise MalformedRecord(f"'{key}' must be a non-empty list")
+        messages = _READERS[fmt](turns)
     _check_messages(messages)
     record_id = next((record[k] for k in ID_KEYS if record.get(k) not in (None, "")), None)
     return (None if record_id is None else str(record_id)), messages
@@ -127,7 +131,21 @@ def _read_ultrachat(turns: list[Any]) -> list[dict[str, str]]:
     return [{"role": roles[i % 2], "content": text} for i, text in enumerate(turns)]
 
 
-_FORMAT_KEYS = {"openai": "messages", "sharegpt": "conversations", "ultrachat": "data"}
+def _read_qa(record: dict[str, Any]) -> list[dict[str, str]]:
+    if "answer" not in record:
+        raise MalformedRecord("a 'question' record needs an 'answer'")
+    return [
+        {"role": "user", "content": record["question"]},
+        {"role": "assistant", "content": record["answer"]},
+    ]
+
+
+_FORMAT_KEYS = {
+    "openai": "messages",
+    "sharegpt": "conversations",
+    "ultrachat": "data",
+    "qa": "question",
+}
 _READERS = {"openai": _read_openai, "sharegpt": _read_sharegpt, "ultrachat": _read_ultrachat}
 
 
@@ -209,7 +227,7 @@ def read_conversations(
 
     Args:
         source: a ``.json``/``.jsonl`` path, a ``save_to_disk`` folder, or an HF dataset name.
-        fmt: ``auto``, ``sharegpt``, ``openai`` or ``ultrachat``.
+        fmt: ``auto``, ``sharegpt``, ``openai``, ``ultrachat`` or ``qa``.
         split: the split to read from datasets.
 
     Returns:

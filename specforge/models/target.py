@@ -268,3 +268,108 @@ def load_target(
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Identity and the weights offline training needs
+
+_VOLATILE_CONFIG_KEYS = (
+    "_name_or_path",
+    "name_or_path",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "_commit_hash",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+    "attn_implementation",
+)
+
+
+def target_fingerprint(config, tokenizer, name_or_path: str) -> dict:
+    """What identifies a target for an offline capture: hashes of its config (without the
+    file-location, dtype and library-version keys) and its vocabulary, plus its geometry."""
+    import hashlib
+    import json
+
+    settings = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    config_text = json.dumps(settings, sort_keys=True, default=str)
+    vocab_text = json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return {
+        "name_or_path": name_or_path,
+        "config_hash": hashlib.sha256(config_text.encode()).hexdigest()[:16],
+        "tokenizer_hash": hashlib.sha256(vocab_text.encode()).hexdigest()[:16],
+        "num_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+    }
+
+
+@dataclass
+class TargetHead:
+    """The few target weights offline training needs, without the decoder layers."""
+
+    config: object
+    """The target's HF config."""
+    embed_tokens: torch.Tensor
+    """(V, H) input embedding (copied, frozen, into the draft)."""
+    lm_head: torch.Tensor
+    """(V, H) output embedding: the target distribution from stored last hidden states."""
+    norm: torch.Tensor
+    """(H,) final norm weight (initializes the draft's norm)."""
+
+
+def load_target_head(
+    name_or_path: str,
+    *,
+    dtype: str = "bfloat16",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+) -> TargetHead:
+    """Read only the embedding, ``lm_head`` and final norm from a target's safetensors files.
+
+    The tensor names come from the model class itself, built on the ``meta`` device (no memory),
+    so any HF causal LM whose checkpoint uses its own parameter names works; a tied ``lm_head``
+    resolves to the embedding.
+
+    Raises:
+        FileNotFoundError: the folder has no safetensors weights (HF hub ids are downloaded
+            first by ``huggingface_hub.snapshot_download``).
+        KeyError: a needed tensor is not in the checkpoint.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(resolve_target_path(name_or_path, dtype))
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    # a tied lm_head is the embedding parameter, so both resolve to the embedding's name
+    names = {id(p): n for n, p in skeleton.named_parameters()}
+    wanted = {
+        "embed_tokens": names[id(skeleton.get_input_embeddings().weight)],
+        "lm_head": names[id(skeleton.get_output_embeddings().weight)],
+        "norm": names[id(skeleton.get_decoder().norm.weight)],
+    }
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights")
+    found: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            keys = set(f.keys())
+            for role, name in wanted.items():
+                if name in keys:
+                    found[role] = f.get_tensor(name)
+    missing = [wanted[role] for role in wanted if role not in found]
+    if missing:
+        raise KeyError(f"{path}: the checkpoint has no {missing}")
+    torch_dtype = DTYPES[dtype]
+    return TargetHead(
+        config=config,
+        **{role: t.to(device=device, dtype=torch_dtype) for role, t in found.items()},
+    )

@@ -11,6 +11,7 @@ position from the step number alone.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass
 
@@ -29,9 +30,14 @@ class Batch:
     """(B, T) int64, 1 for real tokens"""
     loss_mask: torch.Tensor
     """(B, T) bool"""
+    aux_hidden_states: torch.Tensor | None = None
+    """(B, T, 3 * Ht) offline mode: the captured aux layers (zero on padding)."""
+    last_hidden_state: torch.Tensor | None = None
+    """(B, T, Ht) offline mode: the captured final hidden state (zero where not stored)."""
 
     def to(self, device) -> Batch:
-        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask)))
+        fields = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return Batch(*(None if t is None else t.to(device) for t in fields))
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +60,12 @@ def collate(samples: list[TokenizedSample], pad_id: int = 0) -> Batch:
 def split_train_eval(
     samples: list[TokenizedSample], eval_fraction: float
 ) -> tuple[list[TokenizedSample], list[TokenizedSample]]:
-    """Hash-based, stable split by sample id (at least one eval sample when the fraction > 0)."""
+    """Hash-based, stable split by sample id (at least one eval sample when the fraction > 0).
+
+    Both parts are sorted by id, so the batches do not depend on the order samples were read
+    in (a capture stores them sorted by length; online reads them in file order).
+    """
+    samples = sorted(samples, key=lambda s: s.id)
     if eval_fraction <= 0:
         return samples, []
     buckets = 10_000
@@ -140,10 +151,18 @@ class StepBatches:
             }
         return self._epoch_cache[epoch]
 
-    def for_step(self, step: int) -> list[Batch]:
+    def indices_for_step(self, step: int) -> list[list[int]]:
+        """This rank's micro-batches of optimizer step ``step``, as sample indices."""
         epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
         micro = self._epoch(epoch)
         per_step = self.world_size * self.grad_accumulation
         base = step_in_epoch * per_step
-        indices = [base + a * self.world_size + self.rank for a in range(self.grad_accumulation)]
-        return [collate([self.samples[i] for i in micro[j]], self.pad_id) for j in indices]
+        return [
+            micro[base + a * self.world_size + self.rank] for a in range(self.grad_accumulation)
+        ]
+
+    def for_step(self, step: int) -> list[Batch]:
+        return [
+            collate([self.samples[i] for i in group], self.pad_id)
+            for group in self.indices_for_step(step)
+        ]

@@ -64,7 +64,7 @@ def target_distribution(
     for start in range(0, flat.shape[0], chunk_size):
         # (chunk, Ht) @ (Ht, V) -> (chunk, V)
         logits = flat[start : start + chunk_size] @ lm_head_weight.T.to(flat.dtype)
-        argmax.append(logits.argmax(-1))
+        argmax.append(logits.max(-1).indices)  # first maximum, as argmax; faster in bf16
         probs.append(logits[:, hot_ids].float().softmax(-1))
     argmax_t = torch.cat(argmax).view(batch, length)
     return TargetDistribution(

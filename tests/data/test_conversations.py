@@ -34,7 +34,7 @@ def write_jsonl(path, records):
     return path
 
 
-def test_three_layouts_normalize_to_openai_messages():
+def test_layouts_normalize_to_openai_messages():
     expected = OPENAI["messages"]
     assert normalize_record(OPENAI) == ("a", expected)
     assert normalize_record(SHAREGPT) == ("b", expected)  # system prompt kept
@@ -48,6 +48,12 @@ def test_three_layouts_normalize_to_openai_messages():
         ],
     )
 
+    gsm8k = {"question": "2+2?", "answer": "2+2=4\n#### 4"}
+    assert normalize_record(gsm8k) == (
+        None,
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "2+2=4\n#### 4"}],
+    )
+
 
 def test_forced_format_rejects_other_layouts():
     with pytest.raises(MalformedRecord, match="'conversations' must be a non-empty list"):
@@ -57,7 +63,8 @@ def test_forced_format_rejects_other_layouts():
 @pytest.mark.parametrize(
     ("record", "reason"),
     [
-        ({"text": "hi"}, "no 'messages', 'conversations' or 'data'"),
+        ({"text": "hi"}, "no 'messages', 'conversations', 'data' or 'question'"),
+        ({"question": "hi"}, "needs an 'answer'"),
         ({"messages": []}, "non-empty list"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role 'robot'"),
         ({"messages": [{"role": "assistant", "content": "x"}]}, "first non-system message"),

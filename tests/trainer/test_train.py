@@ -1,17 +1,11 @@
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from specforge.trainer.batching import StepBatches, epoch_micro_batches
 from specforge.trainer.train import lr_factor, train
-from tests.trainer.helpers import tiny_train_config
-
-REPO = Path(__file__).parents[2]
+from tests.trainer.helpers import tiny_train_config, torchrun_train
 
 
 def metrics(output_dir, split):
@@ -115,37 +109,17 @@ def test_token_budget_splits_micro_batches():
 def test_two_process_ddp_matches_one_process(tmp_path, peaked_target_dir):
     """torchrun with 2 gloo ranks x batch 1 == 1 process with 2 accumulated micro-batches."""
     folder, data = peaked_target_dir
-    common = [
-        f"target.name_or_path={folder}",
-        "target.dtype=float32",
-        f"train.data_path={data}",
-        "train.dtype=float32",
-        "train.lr=3e-3",
-        "train.warmup_steps=2",
-        "vocab.draft_vocab_size=64",
-        "train.eval_fraction=0.2",
-        "train.ttt_length=3",
-        "train.max_steps=4",
-        "train.eval_every=100",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def run(nproc, out, *extra):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            "--standalone",
-            "scripts/train_eagle3.py",
-            f"output_dir={out}",
-            *common,
-            *extra,
-        ]
-        subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=REPO)
-        return load_file(out / "checkpoints" / "step_4" / "draft.safetensors")
+        return torchrun_train(nproc, out, folder, f"train.data_path={data}", *extra)
 
-    ddp = run(2, tmp_path / "ddp")
-    single = run(1, tmp_path / "single", "train.grad_accumulation=2")
+    single, _ = run(1, tmp_path / "single", "train.grad_accumulation=2")
+    ddp, _ = run(2, tmp_path / "ddp")
+    # the frozen target sharded with FSDP2 and the draft's optimizer state with ZeRO-1
+    sharded, log = run(
+        2, tmp_path / "sharded", "train.target_sharding=fsdp", "train.zero_optimizer=true"
+    )
+    assert "sharded with FSDP2 over 2 ranks" in log
     for key in single:
         torch.testing.assert_close(ddp[key], single[key], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sharded[key], single[key], rtol=1e-5, atol=1e-6)

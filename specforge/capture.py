@@ -1,0 +1,220 @@
+"""The ``capture`` stage: run the frozen target once over the training data and store what the
+TTT loss needs on disk (:mod:`specforge.data.hidden_states`), for offline training.
+
+1. load the target and tokenize the conversations (as training would: same template, mask,
+   ``data.max_length``);
+2. plan the shards (sorted by length, ``capture.shard_size_mb`` each) and find the complete ones;
+3. refuse to start when the disk cannot hold what is left;
+4. capture this rank's incomplete shards (rank ``r`` of ``W`` owns shards ``r, r + W, ...``),
+   in batches of similar length, each shard written atomically and then its manifest entry;
+5. rank 0 merges the entries into ``manifest.json`` (also on a rerun with nothing left to do).
+
+Run it again after any interruption with the same command: complete shards are kept, the rest
+is redone. Under ``torchrun --nproc_per_node=N`` every rank captures a disjoint subset.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from specforge.config import SpecForgeConfig
+from specforge.data import hidden_states as store
+from specforge.data.chat import TokenizedSample, set_chat_template, tokenize_conversations
+from specforge.data.conversations import load_conversations
+from specforge.models.target import (
+    capture_hidden_states,
+    check_aux_layer_ids,
+    default_aux_layer_ids,
+    load_target,
+    target_fingerprint,
+)
+from specforge.prepare import ensure_training_data
+from specforge.trainer.distributed import setup_distributed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CaptureResult:
+    """What a capture run did (the manifest says what the directory holds)."""
+
+    directory: Path
+    manifest: Path | None
+    """``manifest.json`` (written by rank 0), ``None`` on other ranks."""
+    shards_written: int = 0
+    shards_skipped: int = 0
+    tokens_captured: int = 0
+    seconds: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def capture_header(cfg: SpecForgeConfig, fingerprint: dict, aux_layer_ids: list[int]) -> dict:
+    """The manifest fields that fix a capture's content (all part of every shard's plan hash)."""
+    return {
+        "format": store.FORMAT,
+        "version": store.VERSION,
+        "target": fingerprint,
+        "aux_layer_ids": aux_layer_ids,
+        "dtype": cfg.capture.dtype,
+        "max_length": cfg.data.max_length,
+        "chat_template": cfg.data.chat_template,
+        "system_prompt": cfg.data.system_prompt,
+        "shard_size_mb": cfg.capture.shard_size_mb,
+        "layout": (
+            "input_ids int32 (N), loss_mask bool (N), offsets int64 (S+1), "
+            "aux_hidden_states (N, 3H), last_hidden_state (M, H) at positions p with "
+            "loss_mask[p+1], last_offsets int64 (S+1)"
+        ),
+    }
+
+
+def capture_sources(cfg: SpecForgeConfig, ranks) -> list[str]:
+    """``data.inputs`` when given, else the conversations training reads (prepared first when
+    missing, as training does)."""
+    if cfg.data.inputs:
+        return list(cfg.data.inputs)
+    return [str(ensure_training_data(cfg, ranks))]
+
+
+@torch.no_grad()
+def capture_shard(
+    model,
+    samples: list[TokenizedSample],
+    *,
+    aux_layer_ids: list[int],
+    dtype: torch.dtype,
+    batch_tokens: int,
+    max_batch_size: int,
+    pad_id: int,
+    progress: tqdm | None = None,
+) -> bytes:
+    """Run the target over one shard's samples (sorted longest first) and serialize them."""
+    device = next(model.parameters()).device
+    aux_states: list[torch.Tensor] = []
+    last_states: list[torch.Tensor] = []
+    lengths = [len(s.input_ids) for s in samples]
+    for batch in store.forward_batches(
+        lengths, batch_tokens=batch_tokens, max_batch_size=max_batch_size
+    ):
+        width = lengths[batch.start]
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, i in enumerate(batch):
+            input_ids[row, : lengths[i]] = samples[i].input_ids
+            attention_mask[row, : lengths[i]] = 1
+        states = capture_hidden_states(
+            model, input_ids.to(device), attention_mask.to(device), aux_layer_ids=aux_layer_ids
+        )
+        for row, i in enumerate(batch):
+            aux_states.append(states.aux_hidden_states[row, : lengths[i]].to("cpu", dtype))
+            last_states.append(states.last_hidden_state[row, : lengths[i]].to("cpu", dtype))
+        if progress is not None:
+            progress.update(sum(lengths[i] for i in batch))
+    return store.encode_shard(samples, aux_states, last_states)
+
+
+def capture(cfg: SpecForgeConfig) -> CaptureResult:
+    """Run the capture stage described by ``cfg`` (see the module docstring)."""
+    clock = time.perf_counter()
+    ranks = setup_distributed(cfg.target.device)
+    directory = cfg.capture_dir
+    result = CaptureResult(directory=directory, manifest=None)
+
+    # 1. target and data
+    model, tokenizer = load_target(
+        cfg.target.name_or_path,
+        dtype=cfg.target.dtype,
+        device=ranks.device(cfg.target.device),
+        trust_remote_code=cfg.target.trust_remote_code,
+    )
+    set_chat_template(tokenizer, cfg.data.chat_template)
+    num_layers = model.config.num_hidden_layers
+    aux_layer_ids = check_aux_layer_ids(
+        cfg.target.aux_layer_ids or default_aux_layer_ids(num_layers), num_layers
+    )
+    conversations = load_conversations(
+        capture_sources(cfg, ranks), fmt=cfg.data.format, split=cfg.data.split, limit=cfg.data.limit
+    )
+    samples, stats = tokenize_conversations(
+        tokenizer,
+        conversations,
+        max_length=cfg.data.max_length,
+        system_prompt=cfg.data.system_prompt,
+    )
+    result.stats = stats.as_dict()
+
+    # 2. plan, and what is already done
+    header = capture_header(
+        cfg, target_fingerprint(model.config, tokenizer, cfg.target.name_or_path), aux_layer_ids
+    )
+    dtype = store.STORED_DTYPES[cfg.capture.dtype]
+    plan = store.plan_shards(
+        samples,
+        header=header,
+        hidden_size=model.config.hidden_size,
+        itemsize=dtype.itemsize,
+        shard_bytes=int(cfg.capture.shard_size_mb * 2**20),
+    )
+    shard_ids = [[samples[i].id for i in shard] for shard in plan.shards]
+    hashes = [plan.plan_hash(n, ids) for n, ids in enumerate(shard_ids)]
+    directory.mkdir(parents=True, exist_ok=True)
+    done = {
+        n: entry
+        for n in range(len(plan.shards))
+        if (entry := store.complete_entry(directory, n, hashes[n])) is not None
+    }
+    todo = [n for n in range(ranks.rank, len(plan.shards), ranks.world_size) if n not in done]
+
+    # 3. room on disk
+    if ranks.is_main:
+        store.remove_temp_files(directory)
+        remaining = sum(plan.shard_bytes[n] for n in range(len(plan.shards)) if n not in done)
+        store.check_disk_space(directory, remaining)
+    ranks.barrier()
+
+    # 4. this rank's shards
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    todo_tokens = sum(len(samples[i].input_ids) for n in todo for i in plan.shards[n])
+    total_gib = sum(plan.shard_bytes) / 2**30
+    progress = tqdm(
+        total=todo_tokens,
+        unit="tok",
+        unit_scale=True,
+        desc=f"capture ({len(plan.shards)} shards, ~{total_gib:.2f} GiB in all)",
+        disable=not ranks.is_main,
+    )
+    result.shards_skipped = sum(1 for n in done if n % ranks.world_size == ranks.rank)
+    for n in todo:
+        shard_samples = [samples[i] for i in plan.shards[n]]
+        payload = capture_shard(
+            model,
+            shard_samples,
+            aux_layer_ids=aux_layer_ids,
+            dtype=dtype,
+            batch_tokens=cfg.capture.batch_tokens,
+            max_batch_size=cfg.capture.max_batch_size,
+            pad_id=pad_id,
+            progress=progress,
+        )
+        store.write_shard(directory, n, payload, samples=shard_samples, plan_hash=hashes[n])
+        result.shards_written += 1
+        result.tokens_captured += sum(len(s.input_ids) for s in shard_samples)
+    progress.close()
+
+    # 5. merge the manifest
+    ranks.barrier()
+    if ranks.is_main:
+        entries = [store.complete_entry(directory, n, hashes[n]) for n in range(len(plan.shards))]
+        missing = [store.shard_name(n) for n, e in enumerate(entries) if e is None]
+        if missing:
+            raise RuntimeError(f"{directory}: shards {missing} are incomplete after capture")
+        result.manifest = store.write_manifest(directory, plan, entries)
+    result.seconds = time.perf_counter() - clock
+    return result

@@ -1,0 +1,71 @@
+"""torchrun process groups: which rank am I, and the frozen target's FSDP2 sharding.
+
+Every stage runs unchanged under ``torchrun --nproc_per_node=N`` (and ``--nnodes``): it joins
+the process group torchrun describes in the environment (gloo on CPU, nccl on CUDA).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Distributed:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def device(self, device: str) -> str:
+        """This rank's device: ``cuda`` becomes ``cuda:<local_rank>`` under torchrun."""
+        if device.startswith("cuda") and self.world_size > 1:
+            return f"cuda:{self.local_rank}"
+        return device
+
+
+def setup_distributed(device: str) -> Distributed:
+    """Join the torchrun process group when there is one (gloo on CPU, nccl on CUDA)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return Distributed()
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    return Distributed(dist.get_rank(), world_size, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def shard_decoder_layers(layers: nn.ModuleList, device: str) -> None:
+    """Shard each frozen decoder layer's weights across the ranks with FSDP2 ``fully_shard``.
+
+    Each layer's full weights exist only while it runs (all-gathered in its forward, freed
+    after). The embedding, final norm and ``lm_head`` are left whole: the draft copies the
+    embedding and the loss reads ``lm_head`` directly.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size(),))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    local = sum(p.to_local().numel() for p in layers.parameters())
+    full = sum(p.numel() for p in layers.parameters())
+    logger.info(
+        "target decoder layers sharded with FSDP2 over %d ranks: %d of %d parameters here",
+        dist.get_world_size(),
+        local,
+        full,
+    )

@@ -1,0 +1,265 @@
+"""Where a training step's target states come from: a live target (online) or the shards
+``specforge capture`` wrote (offline). Both give the training loop the same things (samples,
+the target's embedding / ``lm_head`` / final norm, and per batch the aux hidden states plus the
+target distribution), so the loop, the TTT loss, the metrics and the checkpoints are shared.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from specforge.config import SpecForgeConfig
+from specforge.data.chat import TokenizedSample, set_chat_template, tokenize_conversations
+from specforge.data.conversations import Conversation
+from specforge.data.hidden_states import HiddenStateStore, check_manifest_matches
+from specforge.data.regenerate import read_records
+from specforge.models.eagle3 import Eagle3DraftModel
+from specforge.models.target import (
+    TargetHead,
+    capture_hidden_states,
+    check_aux_layer_ids,
+    decoder_layers,
+    default_aux_layer_ids,
+    load_target,
+    load_target_head,
+    load_tokenizer,
+    resolve_target_path,
+    target_fingerprint,
+)
+from specforge.trainer.batching import Batch, StepBatches, collate
+from specforge.trainer.distributed import Distributed, shard_decoder_layers
+from specforge.trainer.ttt import TargetDistribution, target_distribution
+
+logger = logging.getLogger(__name__)
+
+
+class HiddenStateSource(Protocol):
+    """What the training loop needs from the target, wherever it comes from."""
+
+    head: TargetHead
+    """The target's config, embedding, ``lm_head`` and final norm."""
+    tokenizer: object
+    generation_config: object | None
+    aux_layer_ids: list[int]
+    samples: list[TokenizedSample]
+    """Every training sample (the loop splits train / eval by id)."""
+
+    def step_batches(self, batches: StepBatches, steps: range) -> Iterator[list[Batch]]:
+        """The micro-batches of each optimizer step in ``steps``, in order."""
+        ...
+
+    def eval_batch(self, sample: TokenizedSample) -> Batch:
+        """One held-out sample as a batch."""
+        ...
+
+    def states(self, batch: Batch, draft: Eagle3DraftModel):
+        """``(aux_hidden_states (B, T, 3Ht), TargetDistribution)`` for a batch on the device."""
+        ...
+
+
+def draft_target_distribution(
+    last_hidden_state: torch.Tensor, lm_head: torch.Tensor, draft: Eagle3DraftModel
+) -> TargetDistribution:
+    """The target's distribution on the draft's vocabulary (the same code for both sources)."""
+    hot_ids = torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device) + draft.d2t
+    return target_distribution(last_hidden_state, lm_head, hot_ids=hot_ids, t2d=draft.t2d)
+
+
+def resolve_aux_layer_ids(cfg: SpecForgeConfig, num_layers: int) -> list[int]:
+    return check_aux_layer_ids(
+        cfg.target.aux_layer_ids or default_aux_layer_ids(num_layers), num_layers
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Online: the frozen target runs inside the step
+
+
+def load_training_samples(cfg: SpecForgeConfig, tokenizer, ranks: Distributed):
+    """Tokenized conversations of ``train.data_path`` (prepared first when missing)."""
+    from specforge.prepare import ensure_training_data
+
+    path = ensure_training_data(cfg, ranks)
+    records = read_records(path)
+    conversations = [Conversation(r["id"], r["messages"]) for r in records]
+    samples, stats = tokenize_conversations(
+        tokenizer,
+        conversations,
+        max_length=cfg.data.max_length,
+        system_prompt=cfg.data.system_prompt,
+    )
+    if not samples:
+        raise ValueError(f"{path}: no conversation with assistant tokens to train on")
+    logger.info("training data %s: %s", path, stats.as_dict())
+    return samples
+
+
+class OnlineTarget:
+    """The whole frozen target on every rank, or its decoder layers sharded with FSDP2."""
+
+    def __init__(self, cfg: SpecForgeConfig, ranks: Distributed, device: str):
+        self.model, self.tokenizer = load_target(
+            cfg.target.name_or_path,
+            dtype=cfg.target.dtype,
+            device=device,
+            trust_remote_code=cfg.target.trust_remote_code,
+        )
+        set_chat_template(self.tokenizer, cfg.data.chat_template)
+        self.generation_config = self.model.generation_config
+        self.aux_layer_ids = resolve_aux_layer_ids(cfg, self.model.config.num_hidden_layers)
+        self.head = TargetHead(
+            config=self.model.config,
+            embed_tokens=self.model.get_input_embeddings().weight.detach(),
+            lm_head=self.model.get_output_embeddings().weight.detach(),
+            norm=self.model.get_decoder().norm.weight.detach(),
+        )
+        if cfg.train.target_sharding == "fsdp" and ranks.world_size > 1:
+            shard_decoder_layers(decoder_layers(self.model), device)
+        self.samples = load_training_samples(cfg, self.tokenizer, ranks)
+        self.pad_id = pad_id_of(self.tokenizer)
+
+    def step_batches(self, batches: StepBatches, steps: range) -> Iterator[list[Batch]]:
+        for step in steps:
+            yield batches.for_step(step)
+
+    def eval_batch(self, sample: TokenizedSample) -> Batch:
+        return collate([sample], self.pad_id)
+
+    @torch.no_grad()
+    def states(self, batch: Batch, draft: Eagle3DraftModel):
+        states = capture_hidden_states(
+            self.model, batch.input_ids, batch.attention_mask, aux_layer_ids=self.aux_layer_ids
+        )
+        distribution = draft_target_distribution(states.last_hidden_state, self.head.lm_head, draft)
+        return states.aux_hidden_states, distribution
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline: shards on disk
+
+
+def attach_hidden_states(
+    batch: Batch, samples: list[TokenizedSample], store: HiddenStateStore
+) -> Batch:
+    """Fill a collated batch's ``aux_hidden_states`` / ``last_hidden_state`` from the store."""
+    aux_rows, last_rows = zip(*(store.hidden_states(s) for s in samples), strict=True)
+    batch_size, length = batch.input_ids.shape
+    aux = aux_rows[0].new_zeros(batch_size, length, aux_rows[0].shape[-1])
+    last = last_rows[0].new_zeros(batch_size, length, last_rows[0].shape[-1])
+    for row, (a, h) in enumerate(zip(aux_rows, last_rows, strict=True)):
+        aux[row, : len(a)] = a
+        last[row, : len(h)] = h
+    batch.aux_hidden_states, batch.last_hidden_state = aux, last
+    return batch
+
+
+class OfflineSteps(Dataset):
+    """Item ``i``: the micro-batches of optimizer step ``steps[i]``, hidden states included.
+    A ``DataLoader`` with workers reads the next steps' shards while this one trains."""
+
+    def __init__(self, batches: StepBatches, store: HiddenStateStore, steps: range):
+        self.batches = batches
+        self.store = store
+        self.steps = steps
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, index: int) -> list[Batch]:
+        micro = []
+        for group in self.batches.indices_for_step(self.steps[index]):
+            samples = [self.batches.samples[i] for i in group]
+            micro.append(
+                attach_hidden_states(collate(samples, self.batches.pad_id), samples, self.store)
+            )
+        return micro
+
+
+def _no_collate(item):
+    return item
+
+
+class OfflineShards:
+    """Captured hidden states on disk plus only the target's embedding, ``lm_head`` and norm."""
+
+    def __init__(self, cfg: SpecForgeConfig, ranks: Distributed, device: str):
+        directory = cfg.capture_dir
+        self.store = HiddenStateStore(directory)
+        self.head = load_target_head(
+            cfg.target.name_or_path,
+            dtype=cfg.target.dtype,
+            device=device,
+            trust_remote_code=cfg.target.trust_remote_code,
+        )
+        self.tokenizer = load_tokenizer(
+            cfg.target.name_or_path,
+            dtype=cfg.target.dtype,
+            trust_remote_code=cfg.target.trust_remote_code,
+        )
+        self.generation_config = _generation_config(cfg)
+        self.aux_layer_ids = resolve_aux_layer_ids(cfg, self.head.config.num_hidden_layers)
+        fingerprint = target_fingerprint(self.head.config, self.tokenizer, cfg.target.name_or_path)
+        expected = {
+            f"target.{k}": fingerprint[k]
+            for k in ("config_hash", "tokenizer_hash", "hidden_size", "vocab_size")
+        }
+        check_manifest_matches(
+            self.store.manifest, {**expected, "aux_layer_ids": self.aux_layer_ids}, str(directory)
+        )
+        self.samples = self.store.samples()
+        self.pad_id = pad_id_of(self.tokenizer)
+        self.num_workers = cfg.train.num_workers
+        logger.info(
+            "offline: %d samples, %d tokens from %s",
+            len(self.samples),
+            self.store.manifest["num_tokens"],
+            directory,
+        )
+
+    def step_batches(self, batches: StepBatches, steps: range) -> Iterator[list[Batch]]:
+        loader = DataLoader(
+            OfflineSteps(batches, self.store, steps),
+            batch_size=None,
+            num_workers=self.num_workers,
+            collate_fn=_no_collate,
+        )
+        yield from loader
+
+    def eval_batch(self, sample: TokenizedSample) -> Batch:
+        return attach_hidden_states(collate([sample], self.pad_id), [sample], self.store)
+
+    @torch.no_grad()
+    def states(self, batch: Batch, draft: Eagle3DraftModel):
+        lm_head = self.head.lm_head
+        distribution = draft_target_distribution(
+            batch.last_hidden_state.to(lm_head.dtype), lm_head, draft
+        )
+        return batch.aux_hidden_states.to(lm_head.dtype), distribution
+
+
+def _generation_config(cfg: SpecForgeConfig):
+    """The target's generation config (its EOS ids join the draft vocabulary), if it has one."""
+    from transformers import GenerationConfig
+
+    path = Path(resolve_target_path(cfg.target.name_or_path, cfg.target.dtype))
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return None
+
+
+def pad_id_of(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+def hidden_state_source(cfg: SpecForgeConfig, ranks: Distributed, device: str) -> HiddenStateSource:
+    """The source ``data.mode`` asks for."""
+    if cfg.data.mode == "offline":
+        return OfflineShards(cfg, ranks, device)
+    return OnlineTarget(cfg, ranks, device)
