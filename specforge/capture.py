@@ -26,16 +26,21 @@ from tqdm import tqdm
 
 from specforge.config import SpecForgeConfig
 from specforge.data import hidden_states as store
-from specforge.data.chat import TokenizedSample, set_chat_template, tokenize_conversations
+from specforge.data.chat import (
+    TokenizedSample,
+    pad_id_of,
+    set_chat_template,
+    tokenize_conversations,
+)
 from specforge.data.conversations import load_conversations
 from specforge.models.target import (
     capture_hidden_states,
-    check_aux_layer_ids,
-    default_aux_layer_ids,
     load_target,
+    resolve_aux_layer_ids,
     target_fingerprint,
 )
 from specforge.prepare import ensure_training_data
+from specforge.trainer.batching import collate
 from specforge.trainer.distributed import setup_distributed
 
 logger = logging.getLogger(__name__)
@@ -103,14 +108,9 @@ def capture_shard(
     for batch in store.forward_batches(
         lengths, batch_tokens=batch_tokens, max_batch_size=max_batch_size
     ):
-        width = lengths[batch.start]
-        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, i in enumerate(batch):
-            input_ids[row, : lengths[i]] = samples[i].input_ids
-            attention_mask[row, : lengths[i]] = 1
+        padded = collate([samples[i] for i in batch], pad_id).to(device)
         states = capture_hidden_states(
-            model, input_ids.to(device), attention_mask.to(device), aux_layer_ids=aux_layer_ids
+            model, padded.input_ids, padded.attention_mask, aux_layer_ids=aux_layer_ids
         )
         for row, i in enumerate(batch):
             aux_states.append(states.aux_hidden_states[row, : lengths[i]].to("cpu", dtype))
@@ -135,10 +135,7 @@ def capture(cfg: SpecForgeConfig) -> CaptureResult:
         trust_remote_code=cfg.target.trust_remote_code,
     )
     set_chat_template(tokenizer, cfg.data.chat_template)
-    num_layers = model.config.num_hidden_layers
-    aux_layer_ids = check_aux_layer_ids(
-        cfg.target.aux_layer_ids or default_aux_layer_ids(num_layers), num_layers
-    )
+    aux_layer_ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids, model.config.num_hidden_layers)
     conversations = load_conversations(
         capture_sources(cfg, ranks), fmt=cfg.data.format, split=cfg.data.split, limit=cfg.data.limit
     )
@@ -166,9 +163,9 @@ def capture(cfg: SpecForgeConfig) -> CaptureResult:
     hashes = [plan.plan_hash(n, ids) for n, ids in enumerate(shard_ids)]
     directory.mkdir(parents=True, exist_ok=True)
     done = {
-        n: entry
+        n
         for n in range(len(plan.shards))
-        if (entry := store.complete_entry(directory, n, hashes[n])) is not None
+        if store.complete_entry(directory, n, hashes[n]) is not None
     }
     todo = [n for n in range(ranks.rank, len(plan.shards), ranks.world_size) if n not in done]
 
@@ -180,7 +177,7 @@ def capture(cfg: SpecForgeConfig) -> CaptureResult:
     ranks.barrier()
 
     # 4. this rank's shards
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = pad_id_of(tokenizer)
     todo_tokens = sum(len(samples[i].input_ids) for n in todo for i in plan.shards[n])
     total_gib = sum(plan.shard_bytes) / 2**30
     progress = tqdm(

@@ -66,6 +66,12 @@ class TokenizeStats:
         }
 
 
+def pad_id_of(tokenizer) -> int:
+    """The id training pads batches with: the tokenizer's pad token, else 0 (padding is masked
+    out everywhere, so any id works)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
 def set_chat_template(tokenizer, chat_template: str | None) -> None:
     """Install a user-supplied template (a file path or the template text), or check that the
     tokenizer has one.

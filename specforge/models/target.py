@@ -59,6 +59,11 @@ def check_aux_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
     return ids
 
 
+def resolve_aux_layer_ids(requested: list[int] | None, num_layers: int) -> list[int]:
+    """The ids a recipe asks for (``target.aux_layer_ids``), or the default, checked."""
+    return check_aux_layer_ids(requested or default_aux_layer_ids(num_layers), num_layers)
+
+
 @dataclass
 class TargetHiddenStates:
     """What one target forward pass gives the draft's training step."""

@@ -15,7 +15,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from specforge.config import SpecForgeConfig
-from specforge.data.chat import TokenizedSample, set_chat_template, tokenize_conversations
+from specforge.data.chat import (
+    TokenizedSample,
+    pad_id_of,
+    set_chat_template,
+    tokenize_conversations,
+)
 from specforge.data.conversations import Conversation
 from specforge.data.hidden_states import HiddenStateStore, check_manifest_matches
 from specforge.data.regenerate import read_records
@@ -23,12 +28,11 @@ from specforge.models.eagle3 import Eagle3DraftModel
 from specforge.models.target import (
     TargetHead,
     capture_hidden_states,
-    check_aux_layer_ids,
     decoder_layers,
-    default_aux_layer_ids,
     load_target,
     load_target_head,
     load_tokenizer,
+    resolve_aux_layer_ids,
     resolve_target_path,
     target_fingerprint,
 )
@@ -49,6 +53,8 @@ class HiddenStateSource(Protocol):
     aux_layer_ids: list[int]
     samples: list[TokenizedSample]
     """Every training sample (the loop splits train / eval by id)."""
+    pad_id: int
+    """The id batches are padded with."""
 
     def step_batches(self, batches: StepBatches, steps: range) -> Iterator[list[Batch]]:
         """The micro-batches of each optimizer step in ``steps``, in order."""
@@ -69,12 +75,6 @@ def draft_target_distribution(
     """The target's distribution on the draft's vocabulary (the same code for both sources)."""
     hot_ids = torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device) + draft.d2t
     return target_distribution(last_hidden_state, lm_head, hot_ids=hot_ids, t2d=draft.t2d)
-
-
-def resolve_aux_layer_ids(cfg: SpecForgeConfig, num_layers: int) -> list[int]:
-    return check_aux_layer_ids(
-        cfg.target.aux_layer_ids or default_aux_layer_ids(num_layers), num_layers
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,7 +112,9 @@ class OnlineTarget:
         )
         set_chat_template(self.tokenizer, cfg.data.chat_template)
         self.generation_config = self.model.generation_config
-        self.aux_layer_ids = resolve_aux_layer_ids(cfg, self.model.config.num_hidden_layers)
+        self.aux_layer_ids = resolve_aux_layer_ids(
+            cfg.target.aux_layer_ids, self.model.config.num_hidden_layers
+        )
         self.head = TargetHead(
             config=self.model.config,
             embed_tokens=self.model.get_input_embeddings().weight.detach(),
@@ -159,6 +161,11 @@ def attach_hidden_states(
     return batch
 
 
+def stored_batch(samples: list[TokenizedSample], pad_id: int, store: HiddenStateStore) -> Batch:
+    """Samples collated with their captured hidden states."""
+    return attach_hidden_states(collate(samples, pad_id), samples, store)
+
+
 class OfflineSteps(Dataset):
     """Item ``i``: the micro-batches of optimizer step ``steps[i]``, hidden states included.
     A ``DataLoader`` with workers reads the next steps' shards while this one trains."""
@@ -172,13 +179,11 @@ class OfflineSteps(Dataset):
         return len(self.steps)
 
     def __getitem__(self, index: int) -> list[Batch]:
-        micro = []
-        for group in self.batches.indices_for_step(self.steps[index]):
-            samples = [self.batches.samples[i] for i in group]
-            micro.append(
-                attach_hidden_states(collate(samples, self.batches.pad_id), samples, self.store)
-            )
-        return micro
+        samples = self.batches.samples
+        return [
+            stored_batch([samples[i] for i in group], self.batches.pad_id, self.store)
+            for group in self.batches.indices_for_step(self.steps[index])
+        ]
 
 
 def _no_collate(item):
@@ -203,7 +208,9 @@ class OfflineShards:
             trust_remote_code=cfg.target.trust_remote_code,
         )
         self.generation_config = _generation_config(cfg)
-        self.aux_layer_ids = resolve_aux_layer_ids(cfg, self.head.config.num_hidden_layers)
+        self.aux_layer_ids = resolve_aux_layer_ids(
+            cfg.target.aux_layer_ids, self.head.config.num_hidden_layers
+        )
         fingerprint = target_fingerprint(self.head.config, self.tokenizer, cfg.target.name_or_path)
         expected = {
             f"target.{k}": fingerprint[k]
@@ -232,7 +239,7 @@ class OfflineShards:
         yield from loader
 
     def eval_batch(self, sample: TokenizedSample) -> Batch:
-        return attach_hidden_states(collate([sample], self.pad_id), [sample], self.store)
+        return stored_batch([sample], self.pad_id, self.store)
 
     @torch.no_grad()
     def states(self, batch: Batch, draft: Eagle3DraftModel):
@@ -252,10 +259,6 @@ def _generation_config(cfg: SpecForgeConfig):
         return GenerationConfig.from_pretrained(path)
     except OSError:
         return None
-
-
-def pad_id_of(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
 def hidden_state_source(cfg: SpecForgeConfig, ranks: Distributed, device: str) -> HiddenStateSource:

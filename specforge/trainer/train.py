@@ -46,7 +46,7 @@ from specforge.models.eagle3 import Eagle3Config, Eagle3DraftModel, build_draft_
 from specforge.trainer.batching import Batch, StepBatches, split_train_eval
 from specforge.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from specforge.trainer.distributed import setup_distributed
-from specforge.trainer.sources import hidden_state_source, pad_id_of
+from specforge.trainer.sources import hidden_state_source
 from specforge.trainer.ttt import TTTResult, ttt_loss
 
 logger = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ def train(cfg: SpecForgeConfig, *, stop_after_step: int | None = None) -> dict[s
         world_size=ranks.world_size,
         rank=ranks.rank,
         grad_accumulation=tc.grad_accumulation,
-        pad_id=pad_id_of(source.tokenizer),
+        pad_id=source.pad_id,
     )
     autocast = torch.autocast(
         device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=tc.dtype == "bfloat16"
