@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.run(args)
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, ValueError, OSError) as err:  # OSError: missing files, full disk
         if args.verbose:
             raise
         print(f"specforge {args.command}: error: {err}", file=sys.stderr)
