@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from specforge.cli import configure_process
 from specforge.config import load_config
 from specforge.data.conversations import load_conversations
 from specforge.io import write_json_atomic, write_jsonl_atomic
@@ -69,6 +70,7 @@ def stage_config(args: argparse.Namespace, stage: str):
 
 def run_stage(args: argparse.Namespace) -> None:
     """One stage in this process; writes ``<output>/<stage>.json``."""
+    configure_process()  # as the specforge command does
     cfg = stage_config(args, args.stage)
     result: dict = {"stage": args.stage}
     if args.stage == "capture":

@@ -11,10 +11,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 from specforge.config import ConfigError, load_config
+
+ONEDNN_PRIMITIVE_CACHE_CAPACITY = "16"
+"""oneDNN (PyTorch's CPU matmul library) caches a compiled primitive per matmul shape, 1,024 by
+default. Training's shapes change with every sequence length (and the loss's counted rows), so
+on CPU the cache grew a run's memory by about 1 GB per 100 steps; 16 entries cost no speed here."""
+
+
+def configure_process() -> None:
+    """Process-wide settings, before the first matmul; an environment value set by the user
+    wins."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_PRIMITIVE_CACHE_CAPACITY)
 
 
 def _prepare_parser(sub) -> None:
@@ -356,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure_process()
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -45,6 +45,7 @@ from safetensors.torch import save
 
 from specforge.data.chat import TokenizedSample
 from specforge.io import write_bytes_atomic, write_json_atomic
+from specforge.trainer.ttt import scored_positions
 
 FORMAT = "specforge-hidden-states"
 VERSION = 1
@@ -62,9 +63,8 @@ def entry_name(index: int) -> str:
 
 def last_hidden_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     """(T,) bool: positions ``p`` whose last hidden state the loss reads (``loss_mask[p + 1]``)."""
-    needed = torch.zeros_like(loss_mask, dtype=torch.bool)
-    needed[:-1] = loss_mask[1:].bool()
-    return needed
+    # (T,) -> (1, T) -> (T,)
+    return scored_positions(loss_mask[None])[0]
 
 
 def sample_bytes(num_tokens: int, num_last: int, *, hidden_size: int, itemsize: int) -> int:

@@ -33,8 +33,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
     repeat_kv,
+    rotate_half,
 )
 
 
@@ -157,6 +157,11 @@ class TTTCache:
     values: list[torch.Tensor] = field(default_factory=list)
 
 
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on (B, heads, T, head_dim) with (B, T, head_dim) ``cos``/``sin``."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
 class Eagle3Attention(nn.Module):
     """Attention whose q/k/v read the ``2H``-wide concatenation of embedding and hidden."""
 
@@ -171,14 +176,16 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
-    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, query_start=0):
+        """Queries of positions ``query_start..T-1``, keys and values of all ``T``, with RoPE."""
         batch, length, _ = x.shape
-        # (B, T, 2H) -> (B, heads, T, head_dim)
-        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        queries = length - query_start
+        # (B, T, 2H) -> (B, heads, T, head_dim); queries only from query_start
+        q = self.q_proj(x[:, query_start:]).view(batch, queries, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
+        q = rotary(q.transpose(1, 2), cos[:, query_start:], sin[:, query_start:])
+        return q, rotary(k, cos, sin), v
 
     def _output(self, attn: torch.Tensor) -> torch.Tensor:
         batch, _, length, _ = attn.shape
@@ -203,29 +210,35 @@ class Eagle3Attention(nn.Module):
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask)
         return self._output(attn)
 
-    def forward_ttt(self, x, cos, sin, *, cache: TTTCache, key_padding_mask: torch.Tensor):
+    def forward_ttt(
+        self, x, cos, sin, *, cache: TTTCache, key_padding_mask: torch.Tensor, start: int = 0
+    ):
         """TTT attention at step ``k = len(cache.keys)``: position ``t`` sees the step-0 keys
         at positions ``<= t`` (and not padding) plus its own keys of steps ``1..k``.
 
+        Only positions ``start..T-1`` are computed: at step 0, ``x`` spans all ``T`` positions
+        (every one is a step-0 key) and queries start at ``start``; at later steps ``x`` holds
+        positions ``start..T-1`` alone (their keys are only ever read on the diagonal).
         ``key_padding_mask``: (B, T) bool, True for real tokens.
         """
-        q, k, v = self._project(x, cos, sin)
+        q, k, v = self._project(x, cos, sin, query_start=start if not cache.keys else 0)
         cache.keys.append(k)
         cache.values.append(v)
         groups = self.num_heads // self.num_kv_heads
         scale = self.head_dim**-0.5
-        length = q.shape[2]
+        queries, length = q.shape[2], key_padding_mask.shape[1]
         k0 = repeat_kv(cache.keys[0], groups)
         v0 = repeat_kv(cache.values[0], groups)
-        # 1. causal scores against step 0: (B, heads, T, T)
+        # 1. causal scores against step 0: (B, heads, T - start, T); query i is position start+i
         scores = torch.matmul(q, k0.transpose(2, 3)) * scale
-        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        causal = torch.ones(queries, length, dtype=torch.bool, device=q.device)
+        causal = causal.tril(length - queries)
         allowed = causal[None, None] & key_padding_mask[:, None, None, :]
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        # 2. diagonal scores against steps 1..k: (B, heads, T, k)
+        # 2. diagonal scores against steps 1..k: (B, heads, T - start, k)
         diagonal_keys = [repeat_kv(key, groups) for key in cache.keys[1:]]
         diagonal = [(q * key).sum(-1, keepdim=True) * scale for key in diagonal_keys]
-        # (B, heads, T, T) + k x (B, heads, T, 1) -> (B, heads, T, T + k)
+        # (B, heads, T', T) + k x (B, heads, T', 1) -> (B, heads, T', T + k)
         weights = torch.cat([scores, *diagonal], dim=-1).softmax(dim=-1, dtype=torch.float32)
         weights = weights.to(q.dtype)
         # 3. weighted values: step 0 by matmul, steps 1..k elementwise on the diagonal
@@ -247,11 +260,13 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config.to_llama_config())
 
     def forward(self, embeds, hidden, cos, sin, attend) -> torch.Tensor:
-        """``attend(x, cos, sin)`` runs one of the attention modes on the ``2H`` input."""
-        residual = hidden
+        """``attend(x, cos, sin)`` runs one of the attention modes on the ``2H`` input; it may
+        return only the last ``T'`` positions (TTT's ``start``), and so does this layer."""
         # (B, T, H) + (B, T, H) -> (B, T, 2H)
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = residual + attend(x, cos, sin)
+        attn = attend(x, cos, sin)
+        # residual from the hidden stream at the positions attention returned: (B, T', H)
+        hidden = hidden[:, hidden.shape[1] - attn.shape[1] :] + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -336,11 +351,15 @@ class Eagle3DraftModel(nn.Module):
         *,
         cache: TTTCache,
         key_padding_mask: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One training-time-test step over the whole sequence (see module docstring).
+        start: int = 0,
+    ) -> torch.Tensor:
+        """One training-time-test step (see module docstring); returns the pre-norm hidden
+        state (B, T - start, H) of positions ``start..T-1`` (logits: :meth:`logits`).
 
         Step ``k = len(cache.keys)`` before the call. Arguments as in :meth:`forward`, with
-        ``position_ids`` = base positions + ``k`` and ``key_padding_mask`` (B, T) bool.
+        ``position_ids`` = base positions + ``k`` and ``key_padding_mask`` (B, T) bool. At step
+        0 the inputs span all ``T`` positions (all are step-0 keys); at later steps only
+        positions ``start..T-1``, whose outputs the caller needs.
         """
         hidden = self._hidden_input(hidden_states)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
@@ -348,11 +367,10 @@ class Eagle3DraftModel(nn.Module):
 
         def attend(x, cos, sin):
             return self.midlayer.self_attn.forward_ttt(
-                x, cos, sin, cache=cache, key_padding_mask=key_padding_mask
+                x, cos, sin, cache=cache, key_padding_mask=key_padding_mask, start=start
             )
 
-        hidden = self.midlayer(embeds, hidden, cos, sin, attend)
-        return self.logits(hidden), hidden
+        return self.midlayer(embeds, hidden, cos, sin, attend)
 
 
 def build_draft_model(

@@ -38,7 +38,7 @@ from specforge.models.target import (
 )
 from specforge.trainer.batching import Batch, StepBatches, collate
 from specforge.trainer.distributed import Distributed, shard_decoder_layers
-from specforge.trainer.ttt import TargetDistribution, target_distribution
+from specforge.trainer.ttt import TargetDistribution, scored_positions, target_distribution
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +70,18 @@ class HiddenStateSource(Protocol):
 
 
 def draft_target_distribution(
-    last_hidden_state: torch.Tensor, lm_head: torch.Tensor, draft: Eagle3DraftModel
+    last_hidden_state: torch.Tensor, lm_head: torch.Tensor, draft: Eagle3DraftModel, batch: Batch
 ) -> TargetDistribution:
-    """The target's distribution on the draft's vocabulary (the same code for both sources)."""
+    """The target's distribution on the draft's vocabulary at the positions the loss scores
+    (the same code for both sources)."""
     hot_ids = torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device) + draft.d2t
-    return target_distribution(last_hidden_state, lm_head, hot_ids=hot_ids, t2d=draft.t2d)
+    return target_distribution(
+        last_hidden_state,
+        lm_head,
+        hot_ids=hot_ids,
+        t2d=draft.t2d,
+        rows=scored_positions(batch.loss_mask, batch.attention_mask),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,7 +145,9 @@ class OnlineTarget:
         states = capture_hidden_states(
             self.model, batch.input_ids, batch.attention_mask, aux_layer_ids=self.aux_layer_ids
         )
-        distribution = draft_target_distribution(states.last_hidden_state, self.head.lm_head, draft)
+        distribution = draft_target_distribution(
+            states.last_hidden_state, self.head.lm_head, draft, batch
+        )
         return states.aux_hidden_states, distribution
 
 
@@ -245,7 +254,7 @@ class OfflineShards:
     def states(self, batch: Batch, draft: Eagle3DraftModel):
         lm_head = self.head.lm_head
         distribution = draft_target_distribution(
-            batch.last_hidden_state.to(lm_head.dtype), lm_head, draft
+            batch.last_hidden_state.to(lm_head.dtype), lm_head, draft, batch
         )
         return batch.aux_hidden_states.to(lm_head.dtype), distribution
 

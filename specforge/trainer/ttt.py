@@ -45,6 +45,7 @@ def target_distribution(
     *,
     hot_ids: torch.Tensor,
     t2d: torch.Tensor,
+    rows: torch.Tensor | None = None,
     chunk_size: int = 256,
 ) -> TargetDistribution:
     """The target's next-token distribution from its final hidden state and ``lm_head``.
@@ -57,21 +58,50 @@ def target_distribution(
         lm_head_weight: (V, Ht) the target's output embedding.
         hot_ids: (Vd,) target ids of the draft vocabulary.
         t2d: (V,) bool membership of target ids in the draft vocabulary.
+        rows: optional (B, T) bool, the positions to compute (:func:`scored_positions`); the
+            others get zero probabilities, argmax ``-1`` and ``in_draft`` False.
     """
     batch, length, width = last_hidden_state.shape
-    flat = last_hidden_state.reshape(batch * length, width)
+    if rows is None:
+        rows = torch.ones(batch, length, dtype=torch.bool, device=last_hidden_state.device)
+    # (B, T, Ht) -> (N, Ht), the N selected positions
+    flat = last_hidden_state[rows]
     probs, argmax = [], []
     for start in range(0, flat.shape[0], chunk_size):
         # (chunk, Ht) @ (Ht, V) -> (chunk, V)
         logits = flat[start : start + chunk_size] @ lm_head_weight.T.to(flat.dtype)
         argmax.append(logits.max(-1).indices)  # first maximum, as argmax; faster in bf16
         probs.append(logits[:, hot_ids].float().softmax(-1))
-    argmax_t = torch.cat(argmax).view(batch, length)
+    out_probs = flat.new_zeros(batch, length, len(hot_ids), dtype=torch.float32)
+    out_argmax = torch.full((batch, length), -1, dtype=torch.long, device=flat.device)
+    if probs:
+        out_probs[rows] = torch.cat(probs)
+        out_argmax[rows] = torch.cat(argmax)
     return TargetDistribution(
-        probs=torch.cat(probs).view(batch, length, -1),
-        argmax=argmax_t,
-        in_draft=t2d[argmax_t],
+        probs=out_probs, argmax=out_argmax, in_draft=(out_argmax >= 0) & t2d[out_argmax]
     )
+
+
+def scored_positions(
+    loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(B, T) bool: the positions whose target distribution some TTT step scores against,
+    ``p`` with ``loss_mask[p + 1]`` (step ``k`` at ``t`` reads ``t + 1 + k`` and counts where
+    the mask holds on ``t + 2 + k``). Capture stores the last hidden state only there."""
+    masked = loss_mask.bool()
+    if attention_mask is not None:
+        masked = masked & attention_mask.bool()
+    return shift_left(masked, 1, fill=False)
+
+
+def first_needed_position(loss_mask: torch.Tensor, ttt_length: int) -> int:
+    """The first position whose output some step of a ``ttt_length`` unroll scores: ``t`` with
+    ``loss_mask[t + 2 + k]`` for some ``k < ttt_length`` (over the whole batch). Earlier
+    positions are only step-0 keys; computing their other outputs changes nothing."""
+    masked = loss_mask.bool().any(0).nonzero()
+    if len(masked) == 0:
+        return 0
+    return max(0, int(masked[0]) - 1 - ttt_length)
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -114,11 +144,14 @@ def ttt_unroll(
     attention_mask: torch.Tensor,
     aux_hidden_states: torch.Tensor,
     ttt_length: int,
+    start: int = 0,
 ) -> Iterator[torch.Tensor]:
-    """Yield the draft's logits (B, T, draft_vocab_size) of steps ``0 .. ttt_length - 1``.
+    """Yield the draft's pre-norm hidden states (B, T - start, H) of positions ``start..T-1``
+    at steps ``0 .. ttt_length - 1`` (logits: ``draft.logits``).
 
     Step ``k`` feeds token ``t + 1 + k`` at RoPE position ``t + k`` and, for ``k > 0``, the
-    draft's own pre-norm hidden state of step ``k - 1``.
+    draft's own pre-norm hidden state of step ``k - 1``. Step 0 reads every position (all are
+    keys); later steps compute positions ``start..T-1`` alone.
     """
     batch, length = input_ids.shape
     key_padding_mask = attention_mask.bool()
@@ -126,14 +159,19 @@ def ttt_unroll(
     cache = TTTCache()
     hidden = aux_hidden_states
     for k in range(ttt_length):
-        logits, hidden = draft.ttt_step(
-            shift_left(input_ids, 1 + k),
+        ids, step_positions = shift_left(input_ids, 1 + k), positions + k
+        if k > 0:
+            # (B, T) -> (B, T - start)
+            ids, step_positions = ids[:, start:], step_positions[:, start:]
+        hidden = draft.ttt_step(
+            ids,
             hidden,
-            positions + k,
+            step_positions,
             cache=cache,
             key_padding_mask=key_padding_mask,
+            start=start,
         )
-        yield logits
+        yield hidden
 
 
 def ttt_loss(
@@ -149,13 +187,17 @@ def ttt_loss(
 ) -> TTTResult:
     """Unroll the draft ``ttt_length`` steps and score every step against the target.
 
+    Only what the loss reads is computed: after step 0's keys, positions from
+    :func:`first_needed_position` on, and the draft's logits at counted positions alone.
+
     Args:
         draft: the draft model (its parameters receive gradients).
         input_ids: (B, T) target token ids, right-padded.
         attention_mask: (B, T) 1 for real tokens.
         loss_mask: (B, T) 1 on tokens the draft should learn to predict (assistant tokens).
         aux_hidden_states: (B, T, 3 * Ht) the target's aux layers.
-        target: the target's distribution per position (:func:`target_distribution`).
+        target: the target's distribution per position (:func:`target_distribution`), at
+            least at :func:`scored_positions`.
         ttt_length: number of unrolled steps.
         step_weight: step ``k`` is weighted ``step_weight ** k``.
 
@@ -168,6 +210,7 @@ def ttt_loss(
     total = torch.zeros((), device=input_ids.device, dtype=torch.float32)
     result = TTTResult(total, [], [], [], [], [])
     chain = torch.ones_like(loss_mask)
+    start = first_needed_position(loss_mask, ttt_length)
     # 1. unroll: step k sees token t+1+k at RoPE position t+k
     steps = ttt_unroll(
         draft,
@@ -175,22 +218,28 @@ def ttt_loss(
         attention_mask=attention_mask,
         aux_hidden_states=aux_hidden_states,
         ttt_length=ttt_length,
+        start=start,
     )
-    for k, logits in enumerate(steps):
-        # 2. it predicts token t+2+k: the target's distribution at t+1+k, the mask at t+2+k
+    for k, hidden in enumerate(steps):
+        # 2. it predicts token t+2+k: counted where the mask holds at t+2+k, scored against
+        # the target's distribution at t+1+k
         counted = shift_left(loss_mask, 2 + k, fill=False)
-        target_probs = shift_left(target.probs, 1 + k)
-        target_argmax = shift_left(target.argmax, 1 + k)
-        in_draft = shift_left(target.in_draft, 1 + k, fill=False)
-        scored = counted & in_draft
-        # 3. soft cross-entropy over the draft vocabulary, mean over scored positions
+        rows, cols = counted[:, start:].nonzero(as_tuple=True)
+        cols = cols + start
+        target_probs = target.probs[rows, cols + 1 + k]
+        target_argmax = target.argmax[rows, cols + 1 + k]
+        scored = target.in_draft[rows, cols + 1 + k]
+        # 3. logits at counted positions only; soft cross-entropy, mean over scored ones
+        # (B, T - start, H) -> (N, H) -> (N, draft_vocab_size)
+        logits = draft.logits(hidden[rows, cols - start])
         log_probs = logits.float().log_softmax(-1)
         per_position = -(target_probs * log_probs).sum(-1)
         step_loss = (per_position * scored).sum() / scored.sum().clamp(min=1)
         total = total + step_weight**k * step_loss
         # 4. accuracy: draft argmax mapped to target ids vs the target's argmax
         with torch.no_grad():
-            correct = (draft.to_target_ids(logits.argmax(-1)) == target_argmax) & counted
+            correct = torch.zeros_like(counted)
+            correct[rows, cols] = draft.to_target_ids(logits.max(-1).indices) == target_argmax
             result.step_losses.append(step_loss.detach())
             result.step_correct.append(correct.sum())
             result.step_counted.append(counted.sum())

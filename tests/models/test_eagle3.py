@@ -108,15 +108,16 @@ def test_ttt_equals_incremental_serving_for_every_step(ttt_length):
     attention_mask = torch.ones(2, length, dtype=torch.long)
     attention_mask[1, 12:] = 0  # right padding on row 1
     with torch.no_grad():
-        ttt = list(
-            ttt_unroll(
+        ttt = [
+            draft.logits(hidden)
+            for hidden in ttt_unroll(
                 draft,
                 input_ids=ids,
                 attention_mask=attention_mask,
                 aux_hidden_states=aux,
                 ttt_length=ttt_length,
             )
-        )
+        ]
         for row, valid in ((0, length), (1, 12)):
             for t in range(valid - ttt_length):
                 served = incremental_logits(

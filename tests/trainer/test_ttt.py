@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from specforge.trainer.ttt import shift_left, target_distribution, ttt_loss
+from specforge.trainer.ttt import (
+    first_needed_position,
+    scored_positions,
+    shift_left,
+    target_distribution,
+    ttt_loss,
+    ttt_unroll,
+)
 from tests.models.test_eagle3 import tiny_draft
 
 
@@ -80,10 +87,14 @@ def test_perfect_draft_scores_full_accuracy_and_zero_excess_loss():
             self.register_buffer("d2t", torch.zeros(96, dtype=torch.long))
             self.step = 0
 
-        def ttt_step(self, input_ids, hidden, positions, *, cache, key_padding_mask):
-            logits = shift_left(out.logits, 1 + self.step)
+        def ttt_step(self, input_ids, hidden, positions, *, cache, key_padding_mask, start):
+            # the "hidden state" of this stub is the target's logits, from position start on
+            logits = shift_left(out.logits, 1 + self.step)[:, start:]
             self.step += 1
-            return logits, hidden
+            return logits
+
+        def logits(self, hidden):
+            return hidden
 
         def to_target_ids(self, ids):
             return ids + self.d2t[ids]
@@ -116,3 +127,73 @@ def test_ttt_length_must_be_positive():
     )
     with pytest.raises(ValueError, match="ttt_length must be >= 1, got 0"):
         run_ttt(draft, ids, attention_mask, loss_mask, aux, dist, ttt_length=0)
+
+
+def reference_ttt_loss(draft, ids, attention_mask, loss_mask, aux, dist, ttt_length):
+    """The TTT loss computed everywhere (every position, every step, full logits), as the
+    module docstring defines it: what the pruned :func:`ttt_loss` must equal."""
+    loss_mask = loss_mask & attention_mask.bool()
+    total, step_losses, correct_counts, chain_counts = 0.0, [], [], []
+    chain = torch.ones_like(loss_mask)
+    steps = ttt_unroll(
+        draft,
+        input_ids=ids,
+        attention_mask=attention_mask,
+        aux_hidden_states=aux,
+        ttt_length=ttt_length,
+    )
+    for k, hidden in enumerate(steps):
+        logits = draft.logits(hidden)
+        counted = shift_left(loss_mask, 2 + k, fill=False)
+        scored = counted & shift_left(dist.in_draft, 1 + k, fill=False)
+        per_position = -(shift_left(dist.probs, 1 + k) * logits.log_softmax(-1)).sum(-1)
+        step_loss = (per_position * scored).sum() / scored.sum().clamp(min=1)
+        total = total + 0.8**k * step_loss
+        correct = draft.to_target_ids(logits.argmax(-1)) == shift_left(dist.argmax, 1 + k)
+        correct &= counted
+        chain = chain & correct
+        step_losses.append(step_loss.detach())
+        correct_counts.append(int(correct.sum()))
+        chain_counts.append(int(chain.sum()))
+    return total, step_losses, correct_counts, chain_counts
+
+
+def test_pruned_ttt_loss_equals_the_loss_computed_everywhere():
+    """ttt_loss skips positions no step scores (a prompt prefix, after step 0's keys), draft
+    logits at uncounted positions and the target distribution where no step reads it: the loss,
+    per-step losses, accuracy counts and gradients are those of the full computation."""
+    target, draft, ids, attention_mask, _, aux, out = inputs(length=24)
+    loss_mask = torch.zeros(2, 24, dtype=torch.bool)
+    loss_mask[0, 13:20] = True  # a second turn's prompt (20..21) in between
+    loss_mask[0, 22:] = True
+    loss_mask[1, 15:] = True
+    loss_mask &= attention_mask.bool()
+    assert first_needed_position(loss_mask, 3) == 9
+    hot = torch.arange(32) + draft.d2t
+    everywhere = target_distribution(
+        out.hidden_states[-1], target.lm_head.weight, hot_ids=hot, t2d=draft.t2d
+    )
+    rows = scored_positions(loss_mask, attention_mask)
+    pruned = target_distribution(
+        out.hidden_states[-1], target.lm_head.weight, hot_ids=hot, t2d=draft.t2d, rows=rows
+    )
+    torch.testing.assert_close(pruned.probs[rows], everywhere.probs[rows])
+    assert torch.equal(pruned.in_draft[rows], everywhere.in_draft[rows])
+    # score every counted position, whatever the tiny target's argmax (a stricter comparison)
+    everywhere.in_draft = torch.ones_like(everywhere.in_draft)
+    pruned.in_draft = rows
+    result = run_ttt(draft, ids, attention_mask, loss_mask, aux, pruned, ttt_length=3)
+    result.loss.backward()
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+    draft.zero_grad()
+    loss, step_losses, correct, chain = reference_ttt_loss(
+        draft, ids, attention_mask, loss_mask, aux, everywhere, ttt_length=3
+    )
+    loss.backward()
+    torch.testing.assert_close(result.loss, loss.detach())
+    torch.testing.assert_close(torch.stack(result.step_losses), torch.stack(step_losses))
+    assert [int(c) for c in result.step_correct] == correct
+    assert [int(c) for c in result.step_chain_correct] == chain
+    assert grads.keys() == {n for n, p in draft.named_parameters() if p.grad is not None}
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, dict(draft.named_parameters())[name].grad, msg=name)
