@@ -173,6 +173,28 @@ def _tau(rows) -> dict[str, float]:
     }
 
 
+def round_costs(total: SpecStats, target_seconds: float, target_tokens: int) -> dict[str, float]:
+    """Where a verification round's time goes, against one token of the target alone.
+
+    ``round_ms`` spreads the whole speculative time (prefill, draft-cache extension and
+    acceptance included) over the rounds; the speedup is about ``tau * target_ms_per_token /
+    round_ms``, so ``tau_for_1x`` / ``tau_for_1.3x`` are the accept lengths these costs need.
+    """
+    rounds = max(total.verifications, 1)
+    round_ms = 1000 * total.seconds / rounds
+    target_ms = 1000 * target_seconds / max(target_tokens, 1)
+    return {
+        "target_ms_per_token": target_ms,
+        "draft_ms_per_round": 1000 * total.draft_seconds / rounds,
+        "verify_ms_per_round": 1000 * total.verify_seconds / rounds,
+        "other_ms_per_round": round_ms
+        - 1000 * (total.draft_seconds + total.verify_seconds) / rounds,
+        "round_ms": round_ms,
+        "tau_for_1x": round_ms / target_ms,
+        "tau_for_1.3x": 1.3 * round_ms / target_ms,
+    }
+
+
 def summarize(turns, total: SpecStats, seconds, tokens, settings: BenchSettings) -> dict[str, Any]:
     speed = {name: tokens[name] / max(seconds[name], 1e-9) for name in seconds}
     categories = sorted({r["category"] for r in turns})
@@ -186,6 +208,7 @@ def summarize(turns, total: SpecStats, seconds, tokens, settings: BenchSettings)
         "tokens_per_s": speed,
         "seconds": seconds,
         "generated_tokens": tokens,
+        "cost": round_costs(total, seconds["target"], tokens["target"]),
         "acceptance_per_position": total.acceptance_per_position,
         "accepted_length_histogram": {str(k): v for k, v in total.histogram.items()},
         "per_category": {c: _tau([r for r in turns if r["category"] == c]) for c in categories},
@@ -218,6 +241,10 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         "| method | tokens/s |",
         "|---|---|",
         *[f"| {k} | {v:.1f} |" for k, v in result["tokens_per_s"].items()],
+        "",
+        "| round cost (ms; tau needed) | value |",
+        "|---|---|",
+        *[f"| {k} | {v:.2f} |" for k, v in result["cost"].items()],
         "",
         "| category | turns | tau | tau_sglang |",
         "|---|---|---|---|",

@@ -48,6 +48,11 @@ class SpecStats:
     accepted_per_round: list[int] = field(default_factory=list)
     """Draft tokens accepted in each verification (0..num_steps), the bonus not counted."""
     seconds: float = 0.0
+    """Wall time of the whole generation (prefill included)."""
+    draft_seconds: float = 0.0
+    """Of which proposing draft tokens (chains or trees)."""
+    verify_seconds: float = 0.0
+    """Of which the target's verification forwards (the tree mask and the logits included)."""
 
     @property
     def tau(self) -> float:
@@ -73,6 +78,8 @@ class SpecStats:
         self.emitted += other.emitted
         self.accepted_per_round.extend(other.accepted_per_round)
         self.seconds += other.seconds
+        self.draft_seconds += other.draft_seconds
+        self.verify_seconds += other.verify_seconds
 
 
 def crop_cache(cache, length: int) -> None:
@@ -215,13 +222,25 @@ class SpeculativeDecoder:
         accepted = int(matches.cumprod(0).sum())
         return accepted, int(predicted[accepted])
 
-    def _chain_round(self, next_token, length, draft_logits, hidden, target_cache, draft_cache):
+    def _clock(self) -> float:
+        """Wall time, after the device's queued work (so phases are timed on CUDA too)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _chain_round(
+        self, next_token, length, draft_logits, hidden, target_cache, draft_cache, stats
+    ):
         """One chain round; returns the emitted tokens, accepted count and their aux rows."""
         # 1. draft
+        start = self._clock()
         draft_tokens, draft_probs = self.draft(draft_logits, hidden, length - 1, draft_cache)
+        drafted = self._clock()
         # 2. verify: [last token, d_1 .. d_K] at positions length .. length + K
         verify_ids = torch.cat([torch.tensor([next_token], device=self.device), draft_tokens])
         target_logits, aux = self._target_forward(verify_ids[None], target_cache)
+        stats.draft_seconds += drafted - start
+        stats.verify_seconds += self._clock() - drafted
         # 3. accept
         if self.sampling:
             target_probs = warp_probs(target_logits, self.temperature, self.top_p)
@@ -233,9 +252,12 @@ class SpeculativeDecoder:
         crop_cache(target_cache, length + 1 + accepted)
         return draft_tokens[:accepted].tolist() + [bonus], accepted, aux[:, : accepted + 1]
 
-    def _tree_round(self, next_token, length, draft_logits, hidden, target_cache, draft_cache):
+    def _tree_round(
+        self, next_token, length, draft_logits, hidden, target_cache, draft_cache, stats
+    ):
         """One tree round (see :mod:`specforge.serving.tree`)."""
         # 1. draft a tree
+        start = self._clock()
         tree = build_tree(
             self.draft_model,
             draft_logits,
@@ -246,9 +268,12 @@ class SpeculativeDecoder:
             num_steps=self.num_steps,
             num_draft_tokens=self.num_draft_tokens,
         )
+        drafted = self._clock()
         # 2. verify root + tree in one forward with the tree mask
         ids, positions, mask = verification_inputs(tree, next_token, length, prefix=length)
         target_logits, aux = self._target_forward(ids, target_cache, positions, mask)
+        stats.draft_seconds += drafted - start
+        stats.verify_seconds += self._clock() - drafted
         # 3. accept the longest matching path; keep its cache rows only
         if self.sampling:
             target_probs = warp_probs(target_logits, self.temperature, self.top_p)
@@ -276,7 +301,7 @@ class SpeculativeDecoder:
         """
         from transformers import DynamicCache
 
-        start_time = time.perf_counter()
+        start_time = self._clock()
         stats = SpecStats(num_steps=self.num_steps)
         eos = set(eos_token_ids)
         input_ids = input_ids.to(self.device)
@@ -296,7 +321,7 @@ class SpeculativeDecoder:
         round_ = self._chain_round if self.topk == 1 else self._tree_round
         while len(output) < max_new_tokens and next_token not in eos:
             new_tokens, accepted, aux = round_(
-                next_token, length, draft_logits, hidden, target_cache, draft_cache
+                next_token, length, draft_logits, hidden, target_cache, draft_cache, stats
             )
             stats.verifications += 1
             stats.accepted_per_round.append(accepted)
@@ -311,5 +336,5 @@ class SpeculativeDecoder:
                     break
             next_token = output[-1]
         stats.emitted = len(output) - 1  # the first token comes from the prefill
-        stats.seconds = time.perf_counter() - start_time
+        stats.seconds = self._clock() - start_time
         return output[:max_new_tokens], stats

@@ -52,6 +52,10 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir):
     assert set(result["per_category"]) == {"math", "writing"}
     assert len(result["acceptance_per_position"]) == 3 and result["tau"] >= 1.0
     assert result["tau_sglang"] >= result["tau"]
+    cost = result["cost"]
+    assert cost["draft_ms_per_round"] > 0 and cost["verify_ms_per_round"] > 0
+    parts = cost["draft_ms_per_round"] + cost["verify_ms_per_round"] + cost["other_ms_per_round"]
+    assert abs(parts - cost["round_ms"]) < 1e-6
     assert (out / "bench.png").stat().st_size > 1000 and "tau_sglang" in (
         out / "bench.md"
     ).read_text()
