@@ -1,5 +1,6 @@
-"""Accept length and speedup of an exported draft, chain vs tree, with the training run's
-predicted accept length beside the measured one; writes JSON + a table.
+"""Accept length and speedup of an exported draft, chains vs a tree, with the training run's
+predicted accept length beside the measured one and where a round's time goes; writes JSON + a
+table.
 
     python benchmarks/accept_length.py --target smollm2-135m \
         --draft outputs/smollm2-135m-eagle3/export --questions builtin-eval \
@@ -7,7 +8,7 @@ predicted accept length beside the measured one; writes JSON + a table.
 
 Each configuration is a full ``specforge bench`` run (target alone, prompt lookup and the
 EAGLE-3 runtime on the same prompts, greedy, batch size 1); its report lands in
-``<output>/<name>/``.
+``<output>/<name>/``; ``--configurations`` picks some of them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from specforge.serving.bench import BenchSettings, run_bench
 CONFIGURATIONS = {
     "chain-5": {"num_steps": 5, "topk": 1, "num_draft_tokens": None},
     "tree-5x4-16": {"num_steps": 5, "topk": 4, "num_draft_tokens": 16},
+    # a short chain: on a CPU in fp32 verifying 3 tokens costs ~1.15 target tokens, 6 ~1.6
+    "chain-2": {"num_steps": 2, "topk": 1, "num_draft_tokens": None},
 }
 
 
@@ -43,9 +46,13 @@ def main() -> None:
     parser.add_argument("--limit", type=int)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--output", default="outputs/bench/accept_length")
+    parser.add_argument(
+        "--configurations", nargs="+", choices=list(CONFIGURATIONS), default=list(CONFIGURATIONS)
+    )
     args = parser.parse_args()
     rows = {}
-    for name, drafting in CONFIGURATIONS.items():
+    for name in args.configurations:
+        drafting = CONFIGURATIONS[name]
         result = run_bench(
             BenchSettings(
                 target=args.target,
@@ -68,6 +75,7 @@ def main() -> None:
                 "all_match",
                 "tokens_per_s",
                 "acceptance_per_position",
+                "cost",
             )
         }
     summary = {
@@ -78,13 +86,19 @@ def main() -> None:
     }
     write_json_atomic(Path(args.output) / "summary.json", summary)
     print(f"\npredicted tau (training eval, chain of ttt_length): {summary['predicted_tau']}")
-    print("| drafting | tau | tau_sglang | speedup | prompt lookup | identical | eagle3 tok/s |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| drafting | tau | tau_sglang | speedup | prompt lookup | identical | eagle3 tok/s "
+        "| draft / verify / round ms | target ms/token | tau for 1.3x |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
+        cost = r["cost"]
         print(
             f"| {name} | {r['tau']:.3f} | {r['tau_sglang']:.3f} | {r['speedup']:.2f}x | "
             f"{r['speedup_prompt_lookup']:.2f}x | {r['all_match']} | "
-            f"{r['tokens_per_s']['eagle3']:.1f} |"
+            f"{r['tokens_per_s']['eagle3']:.1f} | {cost['draft_ms_per_round']:.1f} / "
+            f"{cost['verify_ms_per_round']:.1f} / {cost['round_ms']:.1f} | "
+            f"{cost['target_ms_per_token']:.1f} | {cost['tau_for_1.3x']:.2f} |"
         )
     print(f"\nwrote {args.output}/summary.json")
 
