@@ -165,3 +165,40 @@ def test_cli_capture_then_offline_training(tmp_path):
     done = subprocess.run(cli + train, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "run" / "checkpoints" / "step_2" / "draft.safetensors").is_file()
+
+
+def test_cli_quickstart_leaves_the_export_and_a_bench(tmp_path):
+    """`specforge quickstart` end to end on the real target, shrunk by recipe overrides:
+    self-distill 3 built-in prompts, 2 training steps, export, bench 2 turns."""
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(
+        json.dumps({"question_id": 1, "category": "math", "turns": ["What is 2 + 3?", "And 4?"]})
+        + "\n"
+    )
+    out = tmp_path / "quickstart"
+    cmd = [
+        sys.executable,
+        "-m",
+        "specforge.cli",
+        "quickstart",
+        "--output",
+        str(out),
+        "--questions",
+        str(questions),
+        "--max-new-tokens",
+        "12",
+        "data.limit=3",
+        "regenerate.max_new_tokens=24",
+        "train.max_steps=2",
+        "train.eval_fraction=0",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "accept length tau" in done.stdout and f"questions: {questions}" in done.stdout
+    export = out / "export"
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert (export / "model.safetensors").is_file() and (export / "freq_8192.pt").is_file()
+    bench = json.loads((out / "bench" / "bench.json").read_text())
+    assert bench["turns"] == 2 and bench["all_match"] is True
+    assert bench["settings"]["questions"] == str(questions)
