@@ -23,7 +23,8 @@ from specforge.serving.bench import BenchSettings, run_bench
 CONFIGURATIONS = {
     "chain-5": {"num_steps": 5, "topk": 1, "num_draft_tokens": None},
     "tree-5x4-16": {"num_steps": 5, "topk": 4, "num_draft_tokens": 16},
-    # a short chain: on a CPU in fp32 verifying 3 tokens costs ~1.15 target tokens, 6 ~1.6
+    # a short chain: on a CPU in fp32 verifying 3 tokens costs ~1.2 target tokens, 6 ~1.65
+    # (benchmarks/verify_cost.py)
     "chain-2": {"num_steps": 2, "topk": 1, "num_draft_tokens": None},
 }
 

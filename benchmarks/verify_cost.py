@@ -1,0 +1,108 @@
+"""What one target verification costs against one decoded token, and what a draft step costs:
+the two figures that decide whether speculative decoding pays on a machine.
+
+    python benchmarks/verify_cost.py --target smollm2-135m --dtype float32
+
+After a prefill of ``--context`` tokens, the target extends its KV cache by ``k`` tokens (the
+runtime's verification call: aux capture plus ``lm_head`` on every new position) and the cache
+is cropped back, for each ``k`` in ``--tokens``; a freshly initialized draft of the target's
+geometry extends its own cache by one token. Each figure is the median of ``--repeats`` timed
+calls after one warm-up call. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specforge.cli import configure_process
+from specforge.io import write_json_atomic
+from specforge.models.eagle3 import DraftKVCache, Eagle3Config, build_draft_model
+from specforge.models.target import DTYPES, default_aux_layer_ids, load_target
+from specforge.serving.speculative import SpeculativeDecoder, crop_cache
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--output", default="outputs/bench/verify_cost.json")
+    args = parser.parse_args()
+    configure_process()
+    from transformers import DynamicCache
+
+    target, _ = load_target(args.target, dtype=args.dtype)
+    config = target.config
+    draft_vocab_size = min(8192, config.vocab_size)
+    draft = build_draft_model(
+        Eagle3Config.from_target(config, draft_vocab_size=draft_vocab_size),
+        target_embedding=target.get_input_embeddings().weight.detach().float(),
+        target_lm_head=target.get_output_embeddings().weight.detach().float(),
+        d2t=torch.zeros(draft_vocab_size, dtype=torch.long),
+        t2d=torch.arange(config.vocab_size) < draft_vocab_size,
+    ).to(DTYPES[args.dtype])
+    runtime = SpeculativeDecoder(
+        target, draft, aux_layer_ids=default_aux_layer_ids(config.num_hidden_layers)
+    )
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, config.vocab_size, (1, args.context), generator=generator)
+    target_cache = DynamicCache()
+    _, aux = runtime._target_forward(prompt, target_cache)
+
+    def verify(k: int):
+        ids = torch.randint(0, config.vocab_size, (1, k), generator=generator)
+
+        def call():
+            runtime._target_forward(ids, target_cache)
+            crop_cache(target_cache, args.context)
+
+        return call
+
+    target_ms = {k: median_ms(verify(k), args.repeats) for k in args.tokens}
+    draft_cache = DraftKVCache()
+    _, hidden = runtime._draft_extend(prompt, aux, 0, draft_cache)
+
+    def draft_step():
+        position = torch.tensor([[args.context]])
+        draft(prompt[:, -1:], hidden, position, cache=draft_cache)
+        crop_cache(draft_cache, args.context)
+
+    result = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "target": args.target,
+        "dtype": args.dtype,
+        "context": args.context,
+        "target_forward_ms": target_ms,
+        "relative_to_one_token": {k: v / target_ms[min(target_ms)] for k, v in target_ms.items()},
+        "draft_step_ms": median_ms(draft_step, args.repeats),
+    }
+    write_json_atomic(Path(args.output), result)
+    print(f"\n{args.target} ({args.dtype}), context {args.context}")
+    print("| new tokens | target forward ms | x one token |\n|---|---|---|")
+    for k, ms in target_ms.items():
+        print(f"| {k} | {ms:.1f} | {result['relative_to_one_token'][k]:.2f} |")
+    print(f"\ndraft step: {result['draft_step_ms']:.2f} ms\nwrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
