@@ -17,8 +17,9 @@ import argparse
 import json
 from pathlib import Path
 
-from specforge.io import write_json_atomic
-from specforge.serving.bench import BenchSettings, run_bench
+from specforge.config import load_config
+from specforge.io import read_jsonl, write_json_atomic
+from specforge.recipes.bench import bench
 
 CONFIGURATIONS = {
     "chain-5": {"num_steps": 5, "topk": 1, "num_draft_tokens": None},
@@ -33,7 +34,7 @@ def predicted_tau(metrics: Path) -> float | None:
     """The last eval ``tau_pred`` of a training run's metrics.jsonl."""
     if not metrics.is_file():
         return None
-    evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["split"] == "eval"]
+    evals = [r for r in read_jsonl(metrics) if r["split"] == "eval"]
     return evals[-1]["tau_pred"] if evals else None
 
 
@@ -54,18 +55,17 @@ def main() -> None:
     rows = {}
     for name in args.configurations:
         drafting = CONFIGURATIONS[name]
-        result = run_bench(
-            BenchSettings(
-                target=args.target,
-                draft=args.draft,
-                questions=args.questions,
-                max_new_tokens=args.max_new_tokens,
-                limit=args.limit,
-                dtype=args.dtype,
-                output=str(Path(args.output) / name),
-                **drafting,
-            )
-        )
+        settings = {
+            "target.name_or_path": args.target,
+            "bench.draft": args.draft,
+            "bench.questions": args.questions,
+            "bench.max_new_tokens": args.max_new_tokens,
+            "bench.limit": args.limit,
+            "bench.dtype": args.dtype,
+            "bench.output": str(Path(args.output) / name),
+            **{f"bench.{k}": v for k, v in drafting.items()},
+        }
+        result = bench(load_config(None, [f"{k}={json.dumps(v)}" for k, v in settings.items()]))
         rows[name] = {
             k: result[k]
             for k in (

@@ -33,10 +33,9 @@ from pathlib import Path
 
 import torch
 
-from specforge.cli import configure_process
 from specforge.config import load_config
-from specforge.data.conversations import load_conversations
-from specforge.io import write_json_atomic, write_jsonl_atomic
+from specforge.data.sources import load_conversations
+from specforge.io import read_jsonl, write_json_atomic, write_jsonl_atomic
 
 STAGES = ("capture", "offline", "online")
 
@@ -70,11 +69,10 @@ def stage_config(args: argparse.Namespace, stage: str):
 
 def run_stage(args: argparse.Namespace) -> None:
     """One stage in this process; writes ``<output>/<stage>.json``."""
-    configure_process()  # as the specforge command does
     cfg = stage_config(args, args.stage)
     result: dict = {"stage": args.stage}
     if args.stage == "capture":
-        from specforge.capture import capture
+        from specforge.recipes.capture import capture
 
         done = capture(cfg)
         manifest = json.loads(done.manifest.read_text())
@@ -86,13 +84,10 @@ def run_stage(args: argparse.Namespace) -> None:
             shards=len(manifest["shards"]),
         )
     else:
-        from specforge.trainer.train import train
+        from specforge.recipes.train import train
 
         train(cfg)
-        records = [
-            json.loads(line)
-            for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()
-        ]
+        records = read_jsonl(Path(cfg.output_dir) / "metrics.jsonl")
         windows = [r for r in records if r["split"] == "train"]
         late = [r for r in windows if 150 < r["step"] <= 200]
         result.update(

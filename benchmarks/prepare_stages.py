@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from specforge.config import RegenerateConfig
-from specforge.data.chat import tokenize_conversations
+from specforge.config import RegenerateConfig, TargetConfig
+from specforge.data.chat import end_of_turn_ids, tokenize_conversations
 from specforge.data.conversations import Conversation
 from specforge.data.prompts import builtin_conversations
-from specforge.data.regenerate import read_records, regenerate_conversations
-from specforge.data.vocab import build_vocab_map, count_token_frequencies, end_of_turn_ids
-from specforge.io import write_json_atomic
+from specforge.data.regenerate import regenerate_conversations
+from specforge.data.vocab import build_vocab_map, count_token_frequencies
+from specforge.io import read_jsonl, write_json_atomic
 from specforge.models.target import embedded_target_dir, load_target
 
 
@@ -46,7 +46,7 @@ def main() -> None:
         size_mb = sum(f.stat().st_size for f in folder.iterdir()) / 1e6
         rows.append(("convert GGUF -> HF folder (first use)", convert_s, f"{size_mb:.0f} MB"))
         start = time.perf_counter()
-        model, tokenizer = load_target(str(folder), dtype=args.dtype)
+        model, tokenizer = load_target(TargetConfig(str(folder), dtype=args.dtype))
         rows.append(("load cached target", time.perf_counter() - start, args.dtype))
 
         conversations = builtin_conversations("train")[: args.limit]
@@ -56,7 +56,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as work:
             output = Path(work) / "distilled.jsonl"
             report = regenerate_conversations(model, tokenizer, conversations, output, cfg)
-            written = [Conversation(r["id"], r["messages"]) for r in read_records(output)]
+            written = [Conversation(r["id"], r["messages"]) for r in read_jsonl(output)]
         rows.append(
             (
                 f"self-distill {args.limit} prompts (batch {args.batch_size})",

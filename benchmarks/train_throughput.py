@@ -12,7 +12,6 @@ prepared conversations are used; run ``specforge prepare --config ...`` first.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -22,8 +21,8 @@ from pathlib import Path
 import torch
 
 from specforge.config import load_config
-from specforge.io import write_json_atomic
-from specforge.trainer.train import train
+from specforge.io import read_jsonl, write_json_atomic
+from specforge.recipes.train import train
 
 
 def main() -> None:
@@ -56,8 +55,8 @@ def main() -> None:
         if torch.cuda.is_available() and cfg.target.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         train(cfg)
-        lines = (Path(scratch) / "metrics.jsonl").read_text().splitlines()
-        windows = [r for r in map(json.loads, lines) if r["split"] == "train"][1:]
+        records = read_jsonl(Path(scratch) / "metrics.jsonl")
+        windows = [r for r in records if r["split"] == "train"][1:]
     tokens_per_s = sum(w["tokens_per_s"] for w in windows) / len(windows)
     result = {
         "config": args.config,

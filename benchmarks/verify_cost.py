@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from specforge.cli import configure_process
+from specforge.config import TORCH_DTYPES, TargetConfig, torch_dtype
 from specforge.io import write_json_atomic
 from specforge.models.eagle3 import DraftKVCache, Eagle3Config, build_draft_model
-from specforge.models.target import DTYPES, default_aux_layer_ids, load_target
+from specforge.models.target import default_aux_layer_ids, load_target
 from specforge.serving.speculative import SpeculativeDecoder, crop_cache
 
 
@@ -42,16 +42,15 @@ def median_ms(fn, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--output", default="outputs/bench/verify_cost.json")
     args = parser.parse_args()
-    configure_process()
     from transformers import DynamicCache
 
-    target, _ = load_target(args.target, dtype=args.dtype)
+    target, _ = load_target(TargetConfig(args.target, dtype=args.dtype))
     config = target.config
     draft_vocab_size = min(8192, config.vocab_size)
     draft = build_draft_model(
@@ -60,7 +59,7 @@ def main() -> None:
         target_lm_head=target.get_output_embeddings().weight.detach().float(),
         d2t=torch.zeros(draft_vocab_size, dtype=torch.long),
         t2d=torch.arange(config.vocab_size) < draft_vocab_size,
-    ).to(DTYPES[args.dtype])
+    ).to(torch_dtype(args.dtype))
     runtime = SpeculativeDecoder(
         target, draft, aux_layer_ids=default_aux_layer_ids(config.num_hidden_layers)
     )

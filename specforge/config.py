@@ -11,19 +11,45 @@ Example::
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
+
+from specforge.errors import UserError
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+"""Config dtype names -> torch dtypes (the one table every stage uses)."""
 
-class ConfigError(ValueError):
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config dtype name.
+
+    Raises:
+        UserError: an unknown name.
+    """
+    if name not in TORCH_DTYPES:
+        raise UserError(f"unknown dtype {name!r}; choose one of {sorted(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
+
+
+class ConfigError(UserError):
     """A config file or override names an unknown key or holds a value of the wrong type."""
 
 
@@ -183,19 +209,27 @@ class TrainConfig:
     grad_accumulation: int = 1
     """Micro-batches per optimizer step on each rank."""
     lr: float = 1e-4
+    """Peak AdamW learning rate."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     warmup_steps: int = 50
     """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at ``max_steps``."""
     min_lr_ratio: float = 0.1
+    """The learning rate at ``max_steps``, as a fraction of ``lr``."""
     max_grad_norm: float = 0.5
+    """Gradients are clipped to this global norm."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Autocast dtype of the draft's forward (weights and optimizer stay float32)."""
     seed: int = 0
+    """Seed of the draft's initialisation and of the data order."""
     eval_fraction: float = 0.05
     """Share of the conversations held out for evaluation (hash-based, stable)."""
     eval_every: int = 100
+    """Optimizer steps between evaluations on the held-out conversations."""
     log_every: int = 10
+    """Optimizer steps between ``metrics.jsonl`` records."""
     save_every: int = 200
+    """Optimizer steps between checkpoints (one is always written at the end)."""
     resume: bool = False
     """Continue from the newest checkpoint in ``<output_dir>/checkpoints``."""
     num_workers: int = 1
@@ -208,6 +242,7 @@ class TrainConfig:
     """Shard the draft's AdamW state across ranks (ZeRO stage 1, PyTorch's
     ``ZeroRedundancyOptimizer``); the draft itself stays replicated under DDP."""
     tensorboard: bool = False
+    """Also log to TensorBoard (``<output_dir>/tensorboard``; the ``tensorboard`` extra)."""
     wandb: bool = False
     """Log to Weights & Biases in offline mode (sync later with ``wandb sync``)."""
 
@@ -232,6 +267,60 @@ class TrainConfig:
 
 
 @dataclass
+class ExportConfig:
+    """``specforge export``: a training checkpoint -> the directory SGLang / vLLM load."""
+
+    checkpoint: str | None = None
+    """A checkpoint folder (``<output_dir>/checkpoints/step_N``); default: the newest one."""
+    output: str | None = None
+    """The export directory; defaults to ``<output_dir>/export``."""
+    dtype: Dtype = "bfloat16"
+    """Dtype of the exported float weights."""
+
+
+@dataclass
+class BenchConfig:
+    """``specforge bench``: accept length and speedup of an exported draft vs the target."""
+
+    draft: str | None = None
+    """An export directory (``specforge export``); defaults to ``<output_dir>/export``."""
+    engine: Literal["builtin", "sglang"] = "builtin"
+    """``builtin``: our runtime vs the target alone; ``sglang``: a running SGLang server."""
+    url: str | None = None
+    """SGLang server URL for ``engine: sglang``, e.g. ``http://127.0.0.1:30000``."""
+    questions: str = "builtin-eval"
+    """FastChat ``question.jsonl``, an HF dataset name (``HuggingFaceH4/mt_bench_prompts``), a
+    conversations file, ``builtin-eval`` (the held-out built-in prompts), or ``auto`` (MT-Bench
+    from the HF hub when reachable, else ``builtin-eval``)."""
+    num_steps: int = 5
+    """Draft depth: tokens per chain, or levels of a tree."""
+    topk: int = 1
+    """Branches per draft step; 1 drafts a chain, more a tree."""
+    num_draft_tokens: int | None = None
+    """Tree size including the root (tree drafting only)."""
+    max_new_tokens: int = 256
+    """Longest answer per turn."""
+    dtype: Dtype = "float32"
+    """Dtype of the target and the draft; token-identical outputs need ``float32``."""
+    system_prompt: str | None = None
+    """A system message for every question; default: the chat template's own."""
+    limit: int | None = None
+    """Benchmark only the first ``limit`` questions."""
+    prompt_lookup_num_tokens: int = 10
+    """Tokens proposed per step by the prompt-lookup baseline."""
+    output: str | None = None
+    """Where ``bench.json``, ``bench.md`` and ``bench.png`` go; defaults to
+    ``<output_dir>/bench``."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "topk", "max_new_tokens", "prompt_lookup_num_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"bench.{name} must be >= 1, got {getattr(self, name)}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"bench.limit must be >= 1 or null, got {self.limit}")
+
+
+@dataclass
 class SpecForgeConfig:
     """The whole recipe: one section per stage."""
 
@@ -242,6 +331,8 @@ class SpecForgeConfig:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
     output_dir: str = "outputs/specforge"
     """Directory for everything the recipe writes."""
 
@@ -256,6 +347,21 @@ class SpecForgeConfig:
     def training_data_path(self) -> Path:
         """The conversations training (and capture) read: ``train.data_path`` or prepare's."""
         return Path(self.train.data_path) if self.train.data_path else self.conversations_path
+
+    @property
+    def export_dir(self) -> Path:
+        """Where ``specforge export`` writes (and ``bench`` reads) the exported draft."""
+        return Path(self.export.output) if self.export.output else Path(self.output_dir) / "export"
+
+    @property
+    def bench_draft(self) -> Path:
+        """The export directory ``specforge bench`` measures."""
+        return Path(self.bench.draft) if self.bench.draft else self.export_dir
+
+    @property
+    def bench_dir(self) -> Path:
+        """Where ``specforge bench`` writes its report."""
+        return Path(self.bench.output) if self.bench.output else Path(self.output_dir) / "bench"
 
     @property
     def capture_dir(self) -> Path:
@@ -284,10 +390,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text())
+        path = recipe_path(path)
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(
+                f"{path}: not UTF-8 text ({err.reason} at byte {err.start})"
+            ) from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(
                 f"{path}: the top level must be a mapping, got {type(loaded).__name__}"
@@ -296,6 +407,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         apply_override(raw, item)
     return from_dict(SpecForgeConfig, raw)
+
+
+SHIPPED_RECIPES = "specforge.configs"
+"""The package that holds the shipped recipes (``configs/`` in a checkout links to it)."""
+DEFAULT_RECIPE = "smollm2-135m-eagle3"
+"""The embedded default recipe, which ``specforge quickstart`` runs."""
+
+
+def recipe_path(path: str | Path) -> Path:
+    """A config file: an existing path, else the name of a shipped recipe (``smollm2-135m-eagle3``
+    or ``smollm2-135m-eagle3.yaml``), read from the installed package.
+
+    Raises:
+        ConfigError: neither exists.
+    """
+    path = Path(path)
+    if path.is_file():
+        return path
+    name = path.name if path.suffix == ".yaml" else f"{path.name}.yaml"
+    shipped = Path(str(resources.files(SHIPPED_RECIPES).joinpath(name)))
+    if len(path.parts) == 1 and shipped.is_file():
+        return shipped
+    raise ConfigError(f"config file not found: {path}")
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -387,3 +521,21 @@ def _check(tp: Any, value: Any, key: str) -> Any:
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The config as plain data (for saving next to checkpoints and outputs)."""
     return dataclasses.asdict(cfg)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a config dataclass (for ``--help``)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:] + [None], strict=True):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs

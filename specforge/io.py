@@ -1,9 +1,11 @@
-"""Atomic file writes: everything the project writes goes through a temp file and a rename, so
-an interrupted run never leaves a half-written file where a finished one is expected."""
+"""Files: atomic writes (everything the project writes goes through a temp file and a rename, so
+an interrupted run never leaves a half-written file where a finished one is expected) and the one
+JSON-lines reader, which names the file and line of anything it cannot read."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -11,6 +13,113 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from specforge.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+class BadLine(UserError):
+    """A JSON-lines line that is not UTF-8 or not JSON; the message names the file and line."""
+
+    def __init__(self, path: Path, number: int, reason: str):
+        super().__init__(f"{path}: line {number}: {reason}")
+        self.number = number
+        self.reason = reason
+
+
+LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".yaml", ".yml", ".gguf")
+
+
+def looks_local(name: str) -> bool:
+    """Whether a model or dataset argument names a local path rather than an HF hub id
+    (``owner/name``): it starts with ``.``, ``/`` or ``~``, has more than two parts, or ends
+    with a file suffix. Such a name that does not exist is a local mistake, reported at once
+    instead of after the hub's retries."""
+    return (
+        name.startswith((".", "/", "~"))
+        or len(Path(name).parts) > 2
+        or Path(name).suffix.lower() in LOCAL_SUFFIXES
+    )
+
+
+def require_local(name: str, what: str) -> None:
+    """Raise :class:`UserError` when ``name`` looks local (:func:`looks_local`) and does not
+    exist."""
+    if looks_local(name) and not Path(name).expanduser().exists():
+        raise UserError(f"{what} {name!r}: no such file or folder")
+
+
+def _parse_line(path: Path, number: int, raw: bytes) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise BadLine(path, number, f"not UTF-8 (byte {err.start} of the line)") from None
+    except json.JSONDecodeError as err:
+        raise BadLine(path, number, f"invalid JSON ({err.msg})") from None
+
+
+def iter_jsonl(path: str | Path, *, strict: bool = True) -> Iterator[tuple[int, Any]]:
+    """Yield ``(line number, value)`` for every non-blank line of a JSON-lines file.
+
+    Args:
+        path: the file.
+        strict: raise :class:`BadLine` at the first unreadable line; otherwise yield the
+            :class:`BadLine` as that line's value and go on (readers that skip and count).
+    """
+    path = Path(path)
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                value = _parse_line(path, number, raw)
+            except BadLine as bad:
+                if strict:
+                    raise
+                value = bad
+            yield number, value
+
+
+def read_jsonl(path: str | Path, *, repair: bool = False) -> list[Any]:
+    """Every record of a JSON-lines file (``[]`` when it does not exist).
+
+    Args:
+        path: the file.
+        repair: a last line without its newline (torn by a kill) is cut off the file, with a
+            warning, instead of being an error. For files this project appends to.
+
+    Raises:
+        BadLine: an unreadable line (or a torn last line without ``repair``).
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    complete, tail = lines[:-1], lines[-1]  # tail is b"" when the file ends with a newline
+    records = [
+        _parse_line(path, number, line)
+        for number, line in enumerate(complete, start=1)
+        if line.strip()
+    ]
+    if tail.strip():
+        if not repair:
+            raise BadLine(path, len(lines), "incomplete last line (no newline)")
+        logger.warning("%s: dropping an incomplete last line left by an interrupted run", path)
+        with path.open("r+b") as f:
+            f.truncate(len(data) - len(tail))
+    return records
+
+
+def append_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> None:
+    """Append records to a JSON-lines file with one write and an fsync (a kill leaves at most
+    a torn last line, which :func:`read_jsonl` with ``repair`` removes)."""
+    payload = "".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in records)
+    with Path(path).open("a", encoding="utf-8") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
@@ -56,22 +165,28 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
 def atomic_directory(final: str | Path, *, replace: bool = True) -> Iterator[Path]:
     """Yield a temp folder next to ``final``; when the block succeeds it is renamed to ``final``.
 
-    With ``replace=False`` an existing ``final`` (say, written meanwhile by another rank) is
-    kept and the temp folder discarded. On error nothing is left behind.
+    An existing ``final`` is replaced only once the new folder is complete: it is moved aside,
+    the new one renamed into place, then the old one removed. Callers decide beforehand whether
+    ``final`` is theirs to replace. With ``replace=False`` an existing ``final`` (say, written
+    meanwhile by another rank) is kept and the temp folder discarded. On error nothing is left
+    behind. The folder gets the permissions the user's umask gives (not ``mkdtemp``'s 0700).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
-        if final.exists():
-            if not replace:
-                return
-            shutil.rmtree(final)
-        try:
+        if not final.exists():
+            try:
+                tmp.rename(final)
+            except OSError:
+                if replace or not final.exists():  # not a concurrent writer that won the race
+                    raise
+        elif replace:
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}-old-", dir=final.parent))
+            final.rename(old / final.name)
             tmp.rename(final)
-        except OSError:
-            if replace or not final.exists():  # not a concurrent writer that won the race
-                raise
+            shutil.rmtree(old)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

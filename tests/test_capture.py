@@ -9,8 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specforge.capture import capture
-from specforge.config import load_config
+from specforge.config import TargetConfig, load_config
 from specforge.data.hidden_states import (
     HiddenStateStore,
     last_hidden_positions,
@@ -18,8 +17,9 @@ from specforge.data.hidden_states import (
     sample_bytes,
     verify_capture,
 )
-from specforge.models.target import capture_hidden_states, load_target
-from tests.trainer.helpers import REPO, torchrun
+from specforge.models.target import load_target, target_hidden_states
+from specforge.recipes.capture import capture
+from tests.helpers import REPO, torchrun
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -62,14 +62,14 @@ def test_capture_stores_what_the_target_computes(tmp_path, tiny_target_dir):
     assert manifest["num_samples"] == 40 and manifest["aux_layer_ids"] == [1, 1, 0]
     assert verify_capture(out) == []
 
-    model, _ = load_target(str(tiny_target_dir), dtype="float32")
+    model, _ = load_target(TargetConfig(str(tiny_target_dir), dtype="float32"))
     store = HiddenStateStore(out)
     samples = store.samples()
     assert sorted(s.id for s in samples) == sorted(f"c{i}" for i in range(40))
     hidden = model.config.hidden_size
     for s in samples[::7]:
         aux, last = store.hidden_states(s)
-        states = capture_hidden_states(model, s.input_ids[None], aux_layer_ids=[1, 1, 0])
+        states = target_hidden_states(model, s.input_ids[None], aux_layer_ids=[1, 1, 0])
         torch.testing.assert_close(aux, states.aux_hidden_states[0], rtol=1e-5, atol=1e-5)
         needed = last_hidden_positions(s.loss_mask)
         torch.testing.assert_close(
@@ -135,6 +135,7 @@ def run_capture_cli(target, data, out):
     )
 
 
+@pytest.mark.integration
 def test_sigkill_at_any_moment_then_rerun_matches_an_uninterrupted_capture(
     tmp_path, tiny_target_dir
 ):
@@ -157,6 +158,7 @@ def test_sigkill_at_any_moment_then_rerun_matches_an_uninterrupted_capture(
     assert verify_capture(out) == []
 
 
+@pytest.mark.integration
 def test_two_process_capture_matches_one_process(tmp_path, tiny_target_dir):
     data = write_conversations(tmp_path / "data.jsonl", 40)
     one, two = tmp_path / "one", tmp_path / "two"

@@ -1,6 +1,6 @@
 import json
 
-from specforge.cli import main
+from specforge.cli import build_parser, flag_overrides, main, stage_config
 from specforge.data.vocab import load_vocab_map
 
 
@@ -76,3 +76,51 @@ def test_prepare_reports_a_missing_input(tmp_path, tiny_target_dir, capsys):
     )
     assert code == 2
     assert "x.jsonl" in capsys.readouterr().err
+
+
+def test_flags_are_generated_from_config_fields():
+    """Every stage's flags come from the config fields it reads; given flags become overrides
+    that win over the file, and a flag names the field in its help."""
+    parser = build_parser()
+    args = parser.parse_args(
+        ["prepare", "--target", "t", "--regenerate", "--limit", "3", "--data", "a.jsonl", "b.json"]
+    )
+    assert sorted(flag_overrides(args)) == [
+        'data.inputs=["a.jsonl", "b.json"]',
+        "data.limit=3",
+        "regenerate.enabled=true",
+        'target.name_or_path="t"',
+    ]
+    cfg = stage_config(args)
+    assert (
+        cfg.regenerate.enabled and cfg.data.limit == 3 and cfg.data.inputs == ["a.jsonl", "b.json"]
+    )
+    args = parser.parse_args(["export", "CKPT", "OUT", "--dtype", "float32"])
+    cfg = stage_config(args)
+    assert (cfg.export.checkpoint, cfg.export.output, cfg.export.dtype) == (
+        "CKPT",
+        "OUT",
+        "float32",
+    )
+    args = parser.parse_args(["quickstart", "--output", "q", "--num-steps", "3"])
+    cfg = stage_config(args)
+    assert cfg.output_dir == "q" and cfg.bench.num_steps == 3 and cfg.train.resume
+    assert cfg.target.name_or_path == "smollm2-135m"  # the shipped default recipe
+    help_text = parser._subparsers._group_actions[0].choices["capture"].format_help()
+    assert "--store-dtype" in help_text and "(capture.dtype)" in help_text
+
+
+def test_a_user_mistake_is_one_line_and_names_the_value(tmp_path, capsys):
+    code = main(["export", str(tmp_path / "no-such-checkpoint"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "no-such-checkpoint" in err and "Traceback" not in err
+
+
+def test_train_without_prepared_data_says_to_run_prepare(tmp_path, tiny_target_dir, capsys):
+    code = main(
+        ["train", "--output-dir", str(tmp_path / "run"), f"target.name_or_path={tiny_target_dir}"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "specforge prepare" in err
+    assert str(tmp_path / "run" / "conversations.jsonl") in err

@@ -8,13 +8,14 @@ import sys
 import pytest
 import torch
 
+from specforge.config import TargetConfig
 from specforge.data.chat import tokenize_conversation
 from specforge.data.conversations import Conversation
 from specforge.models.target import (
-    capture_hidden_states,
     default_aux_layer_ids,
     embedded_target_dir,
     load_target,
+    target_hidden_states,
 )
 
 pytestmark = pytest.mark.slow
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_target("smollm2-135m", dtype="float32")
+    return load_target(TargetConfig("smollm2-135m", dtype="float32"))
 
 
 def test_conversion_is_cached_once(tmp_path, monkeypatch):
@@ -54,7 +55,7 @@ def test_model_and_tokenizer(smollm2):
 def test_capture_on_the_real_target(smollm2):
     model, tokenizer = smollm2
     ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
-    states = capture_hidden_states(model, ids, aux_layer_ids=[1, 14, 26])
+    states = target_hidden_states(model, ids, aux_layer_ids=[1, 14, 26])
     with torch.no_grad():
         reference = model(ids, output_hidden_states=True)
     for slot, layer in enumerate([1, 14, 26]):

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specforge.data.conversations import Conversation
+from specforge.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +67,40 @@ class TokenizeStats:
         }
 
 
-def pad_id_of(tokenizer) -> int:
-    """The id training pads batches with: the tokenizer's pad token, else 0 (padding is masked
-    out everywhere, so any id works)."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+def scored_positions(
+    loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(B, T) bool: the positions whose target distribution some TTT step scores against,
+    ``p`` with ``loss_mask[p + 1]`` (step ``k`` at ``t`` reads ``t + 1 + k`` and counts where
+    the mask holds on ``t + 2 + k``). Capture stores the last hidden state only there."""
+    masked = loss_mask.bool()
+    if attention_mask is not None:
+        masked = masked & attention_mask.bool()
+    # (B, T) -> (B, T): out[:, p] = masked[:, p + 1], False at the end
+    scored = torch.zeros_like(masked)
+    scored[:, :-1] = masked[:, 1:]
+    return scored
+
+
+def end_of_turn_ids(tokenizer, generation_config=None) -> list[int]:
+    """The ids that end an assistant turn: the tokenizer's EOS plus the generation config's."""
+    ids = set()
+    for source in (tokenizer, generation_config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update(eos if isinstance(eos, list) else [eos])
+    return sorted(int(i) for i in ids)
+
+
+def pad_id_of(tokenizer, generation_config=None) -> int:
+    """The id every stage pads with: the tokenizer's pad token, else the first id that ends a
+    turn, else 0. Padding is masked out everywhere (training, capture, generation), so the
+    choice never changes a result; generation only needs a real token id."""
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    end_ids = end_of_turn_ids(tokenizer, generation_config)
+    return end_ids[0] if end_ids else 0
 
 
 def set_chat_template(tokenizer, chat_template: str | None) -> None:
@@ -77,7 +108,7 @@ def set_chat_template(tokenizer, chat_template: str | None) -> None:
     tokenizer has one.
 
     Raises:
-        ValueError: no template anywhere.
+        UserError: no template anywhere.
     """
     if chat_template:
         path = Path(chat_template)
@@ -85,10 +116,10 @@ def set_chat_template(tokenizer, chat_template: str | None) -> None:
         if looks_like_path and path.is_file():
             chat_template = path.read_text(encoding="utf-8")
         elif looks_like_path:
-            raise ValueError(f"chat template file not found: {chat_template}")
+            raise UserError(f"chat template file not found: {chat_template}")
         tokenizer.chat_template = chat_template
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
+        raise UserError(
             f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template; "
             "set data.chat_template to a Jinja template (file path or text)"
         )
@@ -108,12 +139,32 @@ def render(tokenizer, messages: list[dict[str, str]], *, add_generation_prompt: 
     )
 
 
+def prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids of ``messages`` rendered with the generation prompt (what the target
+    answers), tokenized as ``apply_chat_template`` does (no extra special tokens)."""
+    text = render(tokenizer, messages, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def left_padded(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Token id rows left-padded to one length, for generation: ``input_ids`` (B, T) and
+    ``attention_mask`` (B, T), 0 on padding."""
+    length = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            input_ids[i, -len(row) :] = torch.tensor(row, dtype=torch.long)
+            attention_mask[i, -len(row) :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
 def assistant_char_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple]]:
     """The full rendered text and the ``[start, end)`` character span of every assistant answer
     (content + end-of-turn marker).
 
     Raises:
-        ValueError: the template does not render turns as stable prefixes.
+        UserError: the template does not render turns as stable prefixes.
     """
     full = render(tokenizer, messages, add_generation_prompt=False)
     spans = []
@@ -123,7 +174,7 @@ def assistant_char_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str
         before = render(tokenizer, messages[:i], add_generation_prompt=True)
         through = render(tokenizer, messages[: i + 1], add_generation_prompt=False).rstrip()
         if not (full.startswith(through) and through.startswith(before)):
-            raise ValueError(
+            raise UserError(
                 f"the chat template does not render assistant turn {i} as a prefix of the whole "
                 "conversation, so its loss mask cannot be located; supply data.chat_template"
             )
@@ -178,7 +229,7 @@ def tokenize_conversations(
     Truncations are counted and logged, never silent.
     """
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError("loss masks need a fast tokenizer (character offsets); got a slow one")
+        raise UserError("loss masks need a fast tokenizer (character offsets); got a slow one")
     stats = TokenizeStats()
     samples = []
     for conversation in conversations:

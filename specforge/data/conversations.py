@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from specforge.errors import UserError
+from specforge.io import BadLine, iter_jsonl, require_local
 
 logger = logging.getLogger(__name__)
 
@@ -175,21 +178,22 @@ def _iter_source(source: str, split: str) -> Iterator[tuple[str, Any]]:
         elif path.suffix == ".json":
             yield from _iter_json(path)
         else:
-            raise ValueError(f"{source}: expected a .json or .jsonl file")
+            raise UserError(f"{source}: expected a .json or .jsonl file")
         return
+    require_local(source, "data source")
     import datasets
 
     if path.is_dir():
         dataset = datasets.load_from_disk(str(path))
         if isinstance(dataset, datasets.DatasetDict):
             if split not in dataset:
-                raise ValueError(f"{source}: no split {split!r} (has {list(dataset)})")
+                raise UserError(f"{source}: no split {split!r} (has {list(dataset)})")
             dataset = dataset[split]
     else:
         try:
             dataset = datasets.load_dataset(source, split=split)
         except Exception as err:  # datasets raises many types; keep the cause attached
-            raise ValueError(
+            raise UserError(
                 f"{source!r} is neither a local file/folder nor a loadable HF dataset: {err}"
             ) from err
     for row, record in enumerate(dataset):
@@ -197,25 +201,23 @@ def _iter_source(source: str, split: str) -> Iterator[tuple[str, Any]]:
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"line {number}", json.loads(line)
-            except json.JSONDecodeError as err:
-                yield f"line {number}", MalformedRecord(f"invalid JSON ({err.msg})")
+    for number, value in iter_jsonl(path, strict=False):
+        if isinstance(value, BadLine):
+            value = MalformedRecord(value.reason)
+        yield f"line {number}", value
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text (byte {err.start})") from None
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: invalid JSON at line {err.lineno}: {err.msg}") from None
+        raise UserError(f"{path}: invalid JSON at line {err.lineno}: {err.msg}") from None
     if isinstance(data, dict):
         data = [data]
     if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a JSON list of records")
+        raise UserError(f"{path}: expected a JSON list of records")
     for index, record in enumerate(data):
         yield f"record {index}", record
 
@@ -234,7 +236,7 @@ def read_conversations(
         The conversations (ids made unique) and a report of what was skipped.
 
     Raises:
-        ValueError: unreadable source, or no valid record in it.
+        UserError: unreadable source, or no valid record in it.
     """
     report = ReadReport(source=source)
     conversations: list[Conversation] = []
@@ -270,34 +272,5 @@ def read_conversations(
         logger.warning("%s: %d duplicate ids got a #N suffix", source, report.renamed_duplicates)
     if not conversations:
         detail = f" (first problems: {'; '.join(report.skipped_at)})" if report.skipped_at else ""
-        raise ValueError(f"{source}: no valid conversation in {report.records} records{detail}")
+        raise UserError(f"{source}: no valid conversation in {report.records} records{detail}")
     return conversations, report
-
-
-def load_conversations(
-    sources: Iterable[str],
-    *,
-    fmt: str = "auto",
-    split: str = "train",
-    builtin_split: str = "train",
-    limit: int | None = None,
-) -> list[Conversation]:
-    """Read several sources in order (or the built-in prompts when there are none).
-
-    Ids are prefixed with the source's stem when several sources are given, so that they stay
-    unique across sources.
-    """
-    from specforge.data.prompts import builtin_conversations
-
-    sources = list(sources)
-    if not sources:
-        conversations = builtin_conversations(builtin_split)
-    else:
-        conversations = []
-        for source in sources:
-            found, _ = read_conversations(source, fmt=fmt, split=split)
-            if len(sources) > 1:
-                prefix = Path(source).stem or source
-                found = [Conversation(f"{prefix}/{c.id}", c.messages) for c in found]
-            conversations.extend(found)
-    return conversations[:limit] if limit is not None else conversations

@@ -43,14 +43,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from specforge.data.chat import TokenizedSample
+from specforge.config import torch_dtype
+from specforge.data.chat import TokenizedSample, scored_positions
+from specforge.errors import UserError
 from specforge.io import write_bytes_atomic, write_json_atomic
-from specforge.trainer.ttt import scored_positions
 
 FORMAT = "specforge-hidden-states"
 VERSION = 1
 MANIFEST = "manifest.json"
-STORED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def shard_name(index: int) -> str:
@@ -103,10 +103,10 @@ def plan_shards(
     """Sort samples by length (longest first, ties by id) and fill shards up to ``shard_bytes``.
 
     Raises:
-        ValueError: no samples.
+        UserError: no samples.
     """
     if not samples:
-        raise ValueError("nothing to capture: no sample has assistant tokens")
+        raise UserError("nothing to capture: no sample has assistant tokens")
     order = sorted(range(len(samples)), key=lambda i: (-len(samples[i].input_ids), samples[i].id))
     shards: list[list[int]] = []
     sizes: list[int] = []
@@ -203,7 +203,7 @@ def complete_entry(directory: Path, index: int, plan_hash: str) -> dict[str, Any
     """Shard ``index``'s entry if the shard is complete for this plan, else ``None``.
 
     Raises:
-        ValueError: the directory holds this shard from a different capture (other data,
+        UserError: the directory holds this shard from a different capture (other data,
             target or settings): mixing them would corrupt the dataset.
     """
     entry_path = directory / entry_name(index)
@@ -212,7 +212,7 @@ def complete_entry(directory: Path, index: int, plan_hash: str) -> dict[str, Any
         return None
     entry = json.loads(entry_path.read_text())
     if entry.get("plan_hash") != plan_hash:
-        raise ValueError(
+        raise UserError(
             f"{directory} already holds {shard_name(index)} from a different capture (other "
             "data, target, aux layers, dtype or shard size); capture into a new directory"
         )
@@ -234,12 +234,12 @@ def check_disk_space(directory: Path, needed_bytes: int) -> None:
     """Refuse to start when the file system cannot hold ``needed_bytes`` more (plus 5%).
 
     Raises:
-        OSError: not enough free space; the message gives both figures.
+        UserError: not enough free space; the message gives both figures.
     """
     directory.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(directory).free
     if needed_bytes * 1.05 > free:
-        raise OSError(
+        raise UserError(
             f"capture needs about {needed_bytes / 2**30:.2f} GiB more in {directory}, but only "
             f"{free / 2**30:.2f} GiB are free; free space, use capture.output elsewhere, or "
             "capture fewer samples (data.limit / data.max_length)"
@@ -268,18 +268,18 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     """The manifest of a finished capture.
 
     Raises:
-        FileNotFoundError: no manifest (the capture never finished: rerun the same command).
-        ValueError: not a specforge capture, or a newer format.
+        UserError: no manifest (the capture never finished: rerun the same command).
+        UserError: not a specforge capture, or a newer format.
     """
     path = Path(directory) / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(
+        raise UserError(
             f"{path} not found: the capture is missing or unfinished (rerun `specforge capture` "
             "with the same settings; it resumes)"
         )
     manifest = json.loads(path.read_text())
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise ValueError(
+        raise UserError(
             f"{path}: not a {FORMAT} v{VERSION} manifest "
             f"(format {manifest.get('format')!r}, version {manifest.get('version')!r})"
         )
@@ -295,7 +295,7 @@ def check_manifest_matches(manifest: dict[str, Any], expected: dict[str, Any], w
         where: the capture directory, for the message.
 
     Raises:
-        ValueError: naming every field that differs, with both values.
+        UserError: naming every field that differs, with both values.
     """
 
     def lookup(key: str) -> Any:
@@ -310,7 +310,7 @@ def check_manifest_matches(manifest: dict[str, Any], expected: dict[str, Any], w
         if lookup(key) != value
     ]
     if diffs:
-        raise ValueError(
+        raise UserError(
             f"the capture in {where} was made for another target or settings: "
             + "; ".join(diffs)
             + " (capture again with this target, or train with the one captured)"
@@ -326,7 +326,7 @@ def verify_capture(directory: str | Path) -> list[str]:
     directory = Path(directory)
     manifest = read_manifest(directory)
     hidden = manifest["target"]["hidden_size"]
-    dtype = STORED_DTYPES[manifest["dtype"]]
+    dtype = torch_dtype(manifest["dtype"])
     problems = []
     for entry in manifest["shards"]:
         path = directory / entry["file"]

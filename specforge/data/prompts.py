@@ -11,12 +11,13 @@ accept-length benchmark falls back to it when MT-Bench is not reachable.
 
 from __future__ import annotations
 
-import json
 import zlib
 from importlib import resources
 from typing import Any
 
 from specforge.data.conversations import Conversation
+from specforge.errors import UserError
+from specforge.io import iter_jsonl
 
 PROMPTS_FILE = "builtin_prompts.jsonl"
 EVAL_BUCKETS = 10
@@ -25,8 +26,8 @@ EVAL_BUCKETS = 10
 
 def builtin_prompt_records() -> list[dict[str, Any]]:
     """All built-in prompts as ``{"id", "category", "turns"}`` records, in file order."""
-    text = resources.files("specforge.data").joinpath(PROMPTS_FILE).read_text("utf-8")
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    with resources.as_file(resources.files("specforge.data").joinpath(PROMPTS_FILE)) as path:
+        return [record for _, record in iter_jsonl(path)]
 
 
 def is_eval_prompt(prompt_id: str) -> bool:
@@ -39,10 +40,10 @@ def builtin_conversations(split: str = "train") -> list[Conversation]:
     conversations, ready to be answered by the target.
 
     Raises:
-        ValueError: unknown split.
+        UserError: unknown split.
     """
     if split not in ("train", "eval", "all"):
-        raise ValueError(f"unknown built-in split {split!r}; choose train, eval or all")
+        raise UserError(f"unknown built-in split {split!r}; choose train, eval or all")
     conversations = []
     for record in builtin_prompt_records():
         if split != "all" and is_eval_prompt(record["id"]) != (split == "eval"):

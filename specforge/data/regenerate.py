@@ -20,9 +20,7 @@ draws differently for the batches after the interruption (greedy runs are unaffe
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +30,15 @@ import torch
 from tqdm import tqdm
 
 from specforge.config import RegenerateConfig
-from specforge.data.chat import render, with_system_prompt
+from specforge.data.chat import (
+    end_of_turn_ids,
+    left_padded,
+    pad_id_of,
+    prompt_ids,
+    with_system_prompt,
+)
 from specforge.data.conversations import Conversation
-from specforge.io import write_jsonl_atomic
+from specforge.io import append_jsonl, read_jsonl, write_jsonl_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -71,40 +75,6 @@ def partial_path(output: Path) -> Path:
     return output.with_name(output.name + ".partial")
 
 
-def read_records(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
-    """Read JSONL records; with ``repair``, a torn last line (from a kill) is cut off the file.
-
-    Raises:
-        ValueError: a bad line anywhere but at the end.
-    """
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    complete, tail = lines[:-1], lines[-1]  # tail is b"" when the file ends with a newline
-    records = []
-    for number, line in enumerate(complete, start=1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise ValueError(f"{path}: line {number} is not valid JSON") from None
-    if tail:
-        if not repair:
-            raise ValueError(f"{path}: the last line is incomplete")
-        logger.warning("%s: dropping an incomplete last line left by an interrupted run", path)
-        with path.open("r+b") as f:
-            f.truncate(len(data) - len(tail))
-    return records
-
-
-def _append_batch(path: Path, records: list[dict[str, Any]]) -> None:
-    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    with path.open("a", encoding="utf-8") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 @torch.no_grad()
 def generate_answers(
     model, tokenizer, prompts: list[list[dict[str, str]]], cfg: RegenerateConfig
@@ -122,21 +92,9 @@ def generate_answers(
     """
     from transformers import GenerationConfig
 
-    texts = [render(tokenizer, messages, add_generation_prompt=True) for messages in prompts]
-    pad_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
-    eos_ids = model.generation_config.eos_token_id
-    if eos_ids is None:
-        eos_ids = tokenizer.eos_token_id
-    eos_ids = eos_ids if isinstance(eos_ids, list) else [eos_ids]
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token_id = pad_id
-    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    try:
-        batch = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
-    finally:
-        tokenizer.padding_side = padding_side
+    eos_ids = end_of_turn_ids(tokenizer, model.generation_config)
+    pad_id = pad_id_of(tokenizer, model.generation_config)
+    batch = left_padded([prompt_ids(tokenizer, messages) for messages in prompts], pad_id)
     sample = cfg.temperature > 0
     generation_config = GenerationConfig(
         max_new_tokens=cfg.max_new_tokens,
@@ -191,8 +149,8 @@ def regenerate_conversations(
     output = Path(output)
     sidecar = partial_path(output)
     report = RegenerateReport(requested=len(conversations))
-    old_records = read_records(output)
-    new_records = read_records(sidecar, repair=True)
+    old_records = read_jsonl(output)
+    new_records = read_jsonl(sidecar, repair=True)
     done = {r["id"] for r in old_records} | {r["id"] for r in new_records}
     todo = [c for c in conversations if c.id not in done]
     report.already_done = len(conversations) - len(todo)
@@ -210,7 +168,7 @@ def regenerate_conversations(
         records = _regenerate_batch(
             model, tokenizer, batch, cfg, system_prompt, target_name, report
         )
-        _append_batch(sidecar, records)
+        append_jsonl(sidecar, records)
         new_records.extend(records)
         progress.update(len(batch))
         elapsed = time.perf_counter() - start
@@ -241,8 +199,7 @@ def _regenerate_batch(model, tokenizer, batch, cfg, system_prompt, target_name, 
             if not active[i] or turn >= len(user_turns[i]):
                 continue
             prompt = histories[i] + [{"role": "user", "content": user_turns[i][turn]}]
-            text = render(tokenizer, prompt, add_generation_prompt=True)
-            if len(tokenizer(text, add_special_tokens=False)["input_ids"]) > cfg.max_prompt_length:
+            if len(prompt_ids(tokenizer, prompt)) > cfg.max_prompt_length:
                 active[i] = False
                 report.stopped_long_prompt += 1
                 continue

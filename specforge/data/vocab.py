@@ -20,7 +20,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from specforge.errors import UserError
+
 logger = logging.getLogger(__name__)
+
+
+def hot_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """(Vd,) the target ids of the draft vocabulary, ``arange(Vd) + d2t`` (DESIGN §3.4)."""
+    return torch.arange(d2t.numel(), dtype=torch.long, device=d2t.device) + d2t
 
 
 @dataclass
@@ -43,21 +50,21 @@ class VocabMap:
     @property
     def hot_ids(self) -> torch.Tensor:
         """(draft_vocab_size,) int64 target ids of the draft vocabulary, ascending."""
-        return torch.arange(self.draft_vocab_size, dtype=torch.long) + self.d2t
+        return hot_ids(self.d2t)
 
     def check(self) -> None:
-        """Raise ValueError unless the maps are consistent with each other."""
+        """Raise UserError unless the maps are consistent with each other."""
         hot = self.hot_ids
         if self.d2t.dtype != torch.long or self.t2d.dtype != torch.bool:
-            raise ValueError(
+            raise UserError(
                 f"d2t must be int64 and t2d bool, got {self.d2t.dtype}, {self.t2d.dtype}"
             )
         if hot.numel() and (hot.min() < 0 or hot.max() >= self.vocab_size):
-            raise ValueError("d2t maps draft ids outside the target vocabulary")
+            raise UserError("d2t maps draft ids outside the target vocabulary")
         if hot.unique().numel() != hot.numel():
-            raise ValueError("d2t maps two draft ids to the same target id")
+            raise UserError("d2t is not injective: it maps two draft ids to the same target id")
         if int(self.t2d.sum()) != self.draft_vocab_size or not bool(self.t2d[hot].all()):
-            raise ValueError("t2d does not mark exactly the target ids that d2t reaches")
+            raise UserError("t2d does not mark exactly the target ids that d2t reaches")
 
 
 def count_token_frequencies(
@@ -76,7 +83,7 @@ def count_token_frequencies(
     for input_ids, loss_mask in samples:
         ids = input_ids[loss_mask.bool()]
         if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise ValueError(f"token id {int(ids.max())} is outside vocab_size={vocab_size}")
+            raise UserError(f"token id {int(ids.max())} is outside vocab_size={vocab_size}")
         counts += torch.bincount(ids, minlength=vocab_size)
     return counts
 
@@ -98,17 +105,17 @@ def build_vocab_map(
         The vocabulary map.
 
     Raises:
-        ValueError: a size out of range or an ``always_include`` id outside the vocabulary.
+        UserError: a size out of range or an ``always_include`` id outside the vocabulary.
     """
     vocab_size = counts.numel()
     if not 1 <= draft_vocab_size <= vocab_size:
-        raise ValueError(f"draft_vocab_size must be in 1..{vocab_size}, got {draft_vocab_size}")
+        raise UserError(f"draft_vocab_size must be in 1..{vocab_size}, got {draft_vocab_size}")
     forced = sorted(set(int(i) for i in always_include))
     for i in forced:
         if not 0 <= i < vocab_size:
-            raise ValueError(f"always-included token id {i} is outside vocab_size={vocab_size}")
+            raise UserError(f"always-included token id {i} is outside vocab_size={vocab_size}")
     if len(forced) > draft_vocab_size:
-        raise ValueError(
+        raise UserError(
             f"draft_vocab_size={draft_vocab_size} cannot hold the {len(forced)} forced ids {forced}"
         )
     # Rank by count (descending), then id (ascending): a stable sort on -count keeps id order.
@@ -166,18 +173,7 @@ def load_vocab_map(path: str | Path) -> VocabMap:
     tensors = load_file(str(path))
     missing = {"d2t", "t2d"} - set(tensors)
     if missing:
-        raise ValueError(f"{path}: not a vocab map, missing {sorted(missing)}")
+        raise UserError(f"{path}: not a vocab map, missing {sorted(missing)}")
     vocab_map = VocabMap(d2t=tensors["d2t"], t2d=tensors["t2d"])
     vocab_map.check()
     return vocab_map
-
-
-def end_of_turn_ids(tokenizer, generation_config=None) -> list[int]:
-    """The ids that end an assistant turn: the tokenizer's EOS plus the generation config's."""
-    ids = set()
-    for source in (tokenizer, generation_config):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is None:
-            continue
-        ids.update(eos if isinstance(eos, list) else [eos])
-    return sorted(int(i) for i in ids)

@@ -37,6 +37,13 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
+from specforge.data.vocab import hot_ids
+from specforge.errors import UserError
+
+FROZEN_WEIGHTS = ("embed_tokens.weight",)
+"""The draft's frozen copy of the target embedding: never saved in checkpoints or (at equal
+widths) exports; filled from the target on load."""
+
 
 @dataclass
 class Eagle3Config:
@@ -118,6 +125,22 @@ class Eagle3Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], where: str) -> Eagle3Config:
+        """A config from saved values (``draft_config.json``, an export's ``config.json``).
+
+        Raises:
+            UserError: unknown or missing keys, or inconsistent values, naming ``where``.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise UserError(f"{where}: unknown draft config keys {unknown}")
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as err:
+            raise UserError(f"{where}: not a valid draft config: {err}") from None
 
 
 @dataclass
@@ -295,11 +318,6 @@ class Eagle3DraftModel(nn.Module):
         """(B, T, 3 * Ht) target aux states -> (B, T, H) draft hidden stream."""
         return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
 
-    def _hidden_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.shape[-1] == 3 * self.config.target_hidden_size:
-            return self.fuse(hidden_states)
-        return hidden_states
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, H) pre-norm hidden -> (B, T, draft_vocab_size) logits."""
         return self.lm_head(self.norm(hidden))
@@ -308,12 +326,17 @@ class Eagle3DraftModel(nn.Module):
         """Map draft vocabulary ids to target ids (``d + d2t[d]``)."""
         return draft_ids + self.d2t[draft_ids]
 
+    @property
+    def hot_ids(self) -> torch.Tensor:
+        """(draft_vocab_size,) the target ids of the draft vocabulary, on the maps' device."""
+        return hot_ids(self.d2t)
+
     # -- the two attention modes ---------------------------------------------------------------
 
     def forward(
         self,
         input_ids: torch.Tensor,
-        hidden_states: torch.Tensor,
+        hidden: torch.Tensor,
         position_ids: torch.Tensor,
         *,
         cache: DraftKVCache,
@@ -323,7 +346,8 @@ class Eagle3DraftModel(nn.Module):
 
         Args:
             input_ids: (B, T) the tokens whose embeddings enter (token ``t + 1`` at position t).
-            hidden_states: (B, T, 3 * Ht) target aux states, or (B, T, H) the draft's own.
+            hidden: (B, T, H) the hidden stream: target aux states fused by :meth:`fuse`, or
+                the draft's own pre-norm output of the previous step.
             position_ids: (B, T) absolute positions (RoPE).
             cache: keys/values of earlier positions; extended in place.
             attention_mask: optional bool (B, 1, T, S + T) "may attend" mask (trees); causal
@@ -333,7 +357,6 @@ class Eagle3DraftModel(nn.Module):
             ``(logits (B, T, draft_vocab_size), hidden (B, T, H))``; ``hidden`` is the pre-norm
             residual stream handed to the next step.
         """
-        hidden = self._hidden_input(hidden_states)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
 
@@ -346,7 +369,7 @@ class Eagle3DraftModel(nn.Module):
     def ttt_step(
         self,
         input_ids: torch.Tensor,
-        hidden_states: torch.Tensor,
+        hidden: torch.Tensor,
         position_ids: torch.Tensor,
         *,
         cache: TTTCache,
@@ -361,7 +384,6 @@ class Eagle3DraftModel(nn.Module):
         0 the inputs span all ``T`` positions (all are step-0 keys); at later steps only
         positions ``start..T-1``, whose outputs the caller needs.
         """
-        hidden = self._hidden_input(hidden_states)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
 
@@ -417,12 +439,29 @@ def build_draft_model(
         model = Eagle3DraftModel(config)
     finally:
         torch.random.set_rng_state(generator_state)
-    hot_ids = torch.arange(config.draft_vocab_size) + d2t
     with torch.no_grad():
         model.embed_tokens.weight.copy_(target_embedding)
-        model.lm_head.weight.copy_(target_lm_head[hot_ids])
+        model.lm_head.weight.copy_(target_lm_head[hot_ids(d2t)])
         if target_norm is not None:
             model.norm.weight.copy_(target_norm)
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
     return model
+
+
+def load_draft_weights(model: Eagle3DraftModel, weights: dict[str, torch.Tensor], where: str):
+    """Load saved draft weights (a checkpoint's or an export's) into ``model``; the frozen
+    embedding may be absent (it is the target's).
+
+    Raises:
+        UserError: names that do not fit the draft, or shapes that differ, naming ``where``.
+    """
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as err:  # shape mismatches
+        raise UserError(f"{where}: weights do not fit the draft: {err}") from None
+    missing = [k for k in missing if k not in FROZEN_WEIGHTS]
+    if missing or unexpected:
+        raise UserError(
+            f"{where}: weights do not fit the draft (missing {missing}, unexpected {unexpected})"
+        )

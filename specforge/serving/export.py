@@ -16,11 +16,15 @@ rename). The directory holds:
   top-level ``eagle_aux_hidden_state_layer_ids`` = HF ``hidden_states`` indices = ids + 1);
 - ``model.safetensors``: exactly the contract's names (no ``model.`` prefix);
 - ``freq_<K>.pt``: the hot target ids (1-D int64), for SGLang's EAGLE-2 / FR-Spec token map;
-- the target's tokenizer files, for convenience.
+- the target's tokenizer files, for convenience;
+- ``specforge-export.json``: what wrote the directory and the files it holds. An existing
+  directory is replaced only when it is a previous export (this file lists everything in it)
+  or empty, and only after the new export is complete; anything else is refused, never deleted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,12 +34,24 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from specforge.io import atomic_directory
-from specforge.models.eagle3 import Eagle3Config, Eagle3DraftModel
-from specforge.models.target import DTYPES, default_aux_layer_ids
+from specforge import __version__
+from specforge.config import torch_dtype
+from specforge.data.vocab import VocabMap
+from specforge.errors import UserError
+from specforge.io import atomic_directory, write_json_atomic
+from specforge.models.eagle3 import (
+    FROZEN_WEIGHTS,
+    Eagle3Config,
+    Eagle3DraftModel,
+    load_draft_weights,
+)
+from specforge.models.target import default_aux_layer_ids
+
+MARKER = "specforge-export.json"
+"""Written into every export: the files it holds, so a later export may replace them."""
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """An export that breaks the contract; the message lists every problem found."""
 
 
@@ -131,16 +147,13 @@ def check_export_tensors(
         want_dtype = KIND_DTYPES.get(spec.kind, dtype)
         if tensor.dtype != want_dtype:
             problems.append(f"{name}: dtype {tensor.dtype}, expected {want_dtype}")
+        elif spec.kind == "float" and not bool(torch.isfinite(tensor).all()):
+            problems.append(f"{name}: holds NaN or infinite values (a diverged training run?)")
     if not problems and _reduced(config):
-        hot = torch.arange(config.draft_vocab_size) + tensors["d2t"]
-        if hot.min() < 0 or hot.max() >= config.vocab_size:
-            problems.append("d2t maps draft ids outside the target vocabulary")
-        elif hot.unique().numel() != hot.numel():
-            problems.append("arange + d2t is not injective")
-        elif int(tensors["t2d"].sum()) != config.draft_vocab_size or not bool(
-            tensors["t2d"][hot].all()
-        ):
-            problems.append("t2d does not mark exactly the target ids of arange + d2t")
+        try:
+            VocabMap(d2t=tensors["d2t"], t2d=tensors["t2d"]).check()
+        except ValueError as err:
+            problems.append(str(err))
     if problems:
         raise ExportError("export breaks the contract:\n  " + "\n  ".join(problems))
 
@@ -266,7 +279,7 @@ def write_export(
     Raises:
         ExportError: the draft does not fit the contract or the target.
     """
-    torch_dtype = DTYPES[dtype]
+    float_dtype = torch_dtype(dtype)
     config = model.config
     exported = export_config_dict(
         config,
@@ -275,17 +288,54 @@ def write_export(
         dtype=dtype,
     )
     check_export_config(exported, target_config)
-    tensors = export_tensors(model, torch_dtype)
-    check_export_tensors(tensors, config, torch_dtype)
+    tensors = export_tensors(model, float_dtype)
+    check_export_tensors(tensors, config, float_dtype)
     out_dir = Path(out_dir)
+    check_replaceable(out_dir)
     with atomic_directory(out_dir) as tmp:
-        (tmp / "config.json").write_text(json.dumps(exported, indent=2) + "\n")
+        write_json_atomic(tmp / "config.json", exported)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        hot_ids = (torch.arange(config.draft_vocab_size) + model.d2t.cpu()).to(torch.int64)
-        torch.save(hot_ids.contiguous(), tmp / f"freq_{config.draft_vocab_size}.pt")
+        torch.save(model.hot_ids.cpu().contiguous(), tmp / f"freq_{config.draft_vocab_size}.pt")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        files = sorted(p.name for p in tmp.iterdir()) + [MARKER]
+        write_json_atomic(tmp / MARKER, {"written_by": f"specforge {__version__}", "files": files})
     return out_dir
+
+
+def check_replaceable(out_dir: Path) -> None:
+    """Refuse to write an export over anything but nothing, an empty folder, or a previous
+    export (whose marker lists every entry in it).
+
+    Raises:
+        ExportError: naming what is there.
+    """
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ExportError(f"{out_dir} exists and is not a directory")
+    entries = sorted(p.name for p in out_dir.iterdir())
+    if not entries:
+        return
+    try:
+        listed = set(json.loads((out_dir / MARKER).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = set()
+    unknown = [name for name in entries if name not in listed]
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+        raise ExportError(
+            f"{out_dir} is not empty and not a previous export (it holds {shown}); "
+            "nothing was written: choose a new or empty directory"
+        )
+
+
+def exported_aux_layer_ids(export_dir: str | Path, num_target_layers: int) -> list[int]:
+    """The aux layer ids an export was trained on: SGLang's ``eagle_config`` entry when the
+    ids are custom, else the default for the target's depth."""
+    config = json.loads((Path(export_dir) / "config.json").read_text())
+    custom = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return list(custom) if custom else default_aux_layer_ids(num_target_layers)
 
 
 def load_exported_draft(
@@ -308,68 +358,23 @@ def load_exported_draft(
         ExportError: a directory that breaks the contract.
     """
     export_dir = Path(export_dir)
-    exported = json.loads((export_dir / "config.json").read_text())
+    config_path = export_dir / "config.json"
+    if not config_path.is_file():
+        raise ExportError(f"{export_dir} is not an export directory (no config.json)")
+    exported = json.loads(config_path.read_text())
     check_export_config(exported, target_config)
-    config = Eagle3Config(
-        hidden_size=exported["hidden_size"],
-        intermediate_size=exported["intermediate_size"],
-        num_attention_heads=exported["num_attention_heads"],
-        num_key_value_heads=exported["num_key_value_heads"],
-        head_dim=exported["head_dim"],
-        vocab_size=exported["vocab_size"],
-        draft_vocab_size=exported["draft_vocab_size"],
-        target_hidden_size=exported["target_hidden_size"],
-        max_position_embeddings=exported["max_position_embeddings"],
-        rope_parameters=exported["rope_parameters"],
-        rms_norm_eps=exported["rms_norm_eps"],
-        hidden_act=exported["hidden_act"],
+    fields = {f.name for f in dataclasses.fields(Eagle3Config)}
+    config = Eagle3Config.from_dict(
+        {k: v for k, v in exported.items() if k in fields}, str(config_path)
     )
     tensors = load_file(str(export_dir / "model.safetensors"))
-    float_dtype = next(t.dtype for n, t in tensors.items() if n == "fc.weight")
+    float_dtype = tensors["fc.weight"].dtype if "fc.weight" in tensors else torch.bfloat16
     check_export_tensors(tensors, config, float_dtype)
     model = Eagle3DraftModel(config)
-    state = {k: v for k, v in tensors.items() if k != "embed_tokens.weight"}
-    state["embed_tokens.weight"] = tensors.get("embed_tokens.weight", target_embedding)
+    state = dict(tensors)
+    state.setdefault(FROZEN_WEIGHTS[0], target_embedding)
     if not _reduced(config):
         state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
         state["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
-    model.load_state_dict(state, strict=True)
+    load_draft_weights(model, state, str(export_dir))
     return model.to(dtype).eval()
-
-
-def export_checkpoint(
-    checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16"
-) -> Path:
-    """Export a training checkpoint (``<output_dir>/checkpoints/step_N``) for SGLang/vLLM.
-
-    The target (named in the checkpoint's config) provides its config and tokenizer; its
-    weights are not loaded.
-    """
-    from specforge.models.target import load_target_config, load_tokenizer
-
-    checkpoint = Path(checkpoint)
-    if not (checkpoint / "draft.safetensors").is_file():
-        raise FileNotFoundError(f"{checkpoint} is not a training checkpoint (no draft.safetensors)")
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    target = state["config"]["target"]
-    kwargs = {"dtype": target["dtype"], "trust_remote_code": target["trust_remote_code"]}
-    target_config = load_target_config(target["name_or_path"], **kwargs)
-    tokenizer = load_tokenizer(target["name_or_path"], **kwargs)
-    config = Eagle3Config(**json.loads((checkpoint / "draft_config.json").read_text()))
-    model = Eagle3DraftModel(config)
-    missing, unexpected = model.load_state_dict(
-        load_file(str(checkpoint / "draft.safetensors")), strict=False
-    )
-    if unexpected or set(missing) - {"embed_tokens.weight"}:
-        raise ExportError(
-            f"{checkpoint}: weights do not fit the draft config "
-            f"(missing {missing}, unexpected {unexpected})"
-        )
-    return write_export(
-        out_dir,
-        model=model,
-        target_config=target_config,
-        aux_layer_ids=state["aux_layer_ids"],
-        dtype=dtype,
-        tokenizer=tokenizer,
-    )

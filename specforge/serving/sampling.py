@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import torch
 
+from specforge.errors import UserError
 from specforge.serving.tree import DraftTree
 
 
 def warp_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """Probabilities (float32) after temperature and nucleus (top-p) filtering, per row."""
     if temperature <= 0:
-        raise ValueError(f"sampling needs temperature > 0, got {temperature}")
+        raise UserError(f"sampling needs temperature > 0, got {temperature}")
     probs = (logits.float() / temperature).softmax(-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(-1, descending=True)

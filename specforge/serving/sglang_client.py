@@ -18,7 +18,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from specforge.data.benchmarks import load_questions
+from specforge.data.chat import prompt_ids
+from specforge.data.questions import ask_turns, load_questions
+from specforge.errors import UserError
 from specforge.io import write_json_atomic, write_text_atomic
 
 
@@ -28,7 +30,7 @@ def sglang_generate(
     """One greedy request to ``{url}/generate``; returns the response's first item.
 
     Raises:
-        ValueError: the server is unreachable, answers an error, or reports no verify count.
+        UserError: the server is unreachable, answers an error, or reports no verify count.
     """
     body = json.dumps(
         {
@@ -43,11 +45,11 @@ def sglang_generate(
         with urllib.request.urlopen(request, timeout=timeout) as response:
             payload = json.loads(response.read())
     except (urllib.error.URLError, OSError) as err:
-        raise ValueError(f"SGLang server at {url} did not answer /generate: {err}") from err
+        raise UserError(f"SGLang server at {url} did not answer /generate: {err}") from err
     item = payload[0] if isinstance(payload, list) else payload
     meta = item.get("meta_info", {})
     if "spec_verify_ct" not in meta:
-        raise ValueError(
+        raise UserError(
             f"{url}: meta_info has no spec_verify_ct; is the server running with "
             "--speculative-algorithm EAGLE3?"
         )
@@ -65,27 +67,25 @@ def run_sglang_bench(
     limit: int | None = None,
 ) -> dict[str, Any]:
     """Accept length of a served draft on a question set; writes bench.json and bench.md."""
+
+    def answer(_turn, messages):
+        start = time.perf_counter()
+        item = sglang_generate(url, prompt_ids(tokenizer, messages), max_new_tokens=max_new_tokens)
+        return item.get("text", ""), (item["meta_info"], time.perf_counter() - start)
+
     rows = []
     for question in load_questions(questions, limit=limit):
-        history = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
-        for turn, text in enumerate(question.turns):
-            history.append({"role": "user", "content": text})
-            ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-            start = time.perf_counter()
-            item = sglang_generate(url, ids, max_new_tokens=max_new_tokens)
-            meta = item["meta_info"]
+        for turn, _, (meta, seconds) in ask_turns(question, answer, system_prompt=system_prompt):
             rows.append(
                 {
                     "question_id": question.id,
                     "category": question.category,
                     "turn": turn,
-                    "seconds": time.perf_counter() - start,
+                    "seconds": seconds,
                     "completion_tokens": int(meta["completion_tokens"]),
                     "spec_verify_ct": int(meta["spec_verify_ct"]),
                 }
             )
-            history.append({"role": "assistant", "content": item.get("text", "")})
 
     def tau(selected):
         verify = sum(r["spec_verify_ct"] for r in selected)

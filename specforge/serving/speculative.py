@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specforge.errors import UserError
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
-from specforge.models.target import capture_hidden_states
+from specforge.models.target import target_hidden_states
 from specforge.serving.sampling import (
     accept_chain_sampling,
     accept_tree_sampling,
@@ -131,14 +132,12 @@ class SpeculativeDecoder:
             ValueError: inconsistent drafting settings.
         """
         if num_steps < 1 or topk < 1:
-            raise ValueError(f"num_steps and topk must be >= 1, got {num_steps}, {topk}")
+            raise UserError(f"num_steps and topk must be >= 1, got {num_steps}, {topk}")
         if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(
-                f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}"
-            )
+            raise UserError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
         largest = 1 + topk + (num_steps - 1) * topk * topk
         if topk > 1 and not (num_draft_tokens and 2 <= num_draft_tokens <= largest):
-            raise ValueError(
+            raise UserError(
                 f"tree drafting needs 2 <= num_draft_tokens <= {largest} for topk={topk}, "
                 f"num_steps={num_steps}; got {num_draft_tokens}"
             )
@@ -159,7 +158,7 @@ class SpeculativeDecoder:
     def _target_forward(self, input_ids: torch.Tensor, cache, positions=None, mask=None):
         """Target logits (T, V) and fused-aux inputs (1, T, 3 * Ht) for new tokens ``input_ids``
         (1, T), extending ``cache`` (tree verification passes positions and a mask)."""
-        states = capture_hidden_states(
+        states = target_hidden_states(
             self.target,
             input_ids,
             mask,
@@ -177,7 +176,9 @@ class SpeculativeDecoder:
         """Run the draft over new positions ``start .. start + T - 1`` (token ``t + 1`` and the
         target feature at ``t`` each); returns the last position's logits and hidden state."""
         positions = torch.arange(start, start + tokens.shape[1], device=self.device)[None]
-        logits, hidden = self.draft_model(tokens, aux, positions, cache=cache)
+        logits, hidden = self.draft_model(
+            tokens, self.draft_model.fuse(aux), positions, cache=cache
+        )
         return logits[0, -1], hidden[:, -1:]
 
     @property
@@ -192,7 +193,7 @@ class SpeculativeDecoder:
         q = warp_probs(logits, self.temperature, self.top_p)
         draft_id = torch.multinomial(q, 1, generator=self.generator)
         vocab_size = self.draft_model.t2d.numel()
-        hot_ids = torch.arange(q.numel(), device=q.device) + self.draft_model.d2t
+        hot_ids = self.draft_model.hot_ids
         q_target = torch.zeros(vocab_size, device=q.device).index_copy(0, hot_ids, q)
         return self.draft_model.to_target_ids(draft_id), q_target
 

@@ -95,14 +95,7 @@ def build_tree(
     for depth in range(2, num_steps + 1):
         # 1. expand the frontier (depth - 1) in one draft forward with a tree mask
         width = len(frontier)
-        mask = torch.zeros(width, cache.length + width, dtype=torch.bool, device=device)
-        mask[:, :prefix] = True
-        for row, node in enumerate(frontier):
-            ancestor = parents[node]
-            while ancestor >= 0:
-                mask[row, entry[ancestor]] = True
-                ancestor = parents[ancestor]
-            mask[row, cache.length + row] = True
+        mask = frontier_mask(frontier, parents, entry, prefix, cache.length, device)
         for row, node in enumerate(frontier):
             entry[node] = cache.length + row
         ids = torch.tensor([[tokens[n] for n in frontier]], device=device)
@@ -120,10 +113,30 @@ def build_tree(
         frontier = [child for _, _, child, _ in chosen]
         frontier_hidden = hidden[:, [row for _, _, _, row in chosen]]
     # 3. keep the best num_draft_tokens - 1 nodes (ancestor-closed), parents first
+    return prune(tokens, parents, depths, scores, num_draft_tokens - 1, device)
+
+
+def frontier_mask(frontier, parents, entry, prefix: int, cache_length: int, device):
+    """(W, cache_length + W) bool: frontier node ``row`` may attend to the prefix, to the cache
+    entries of its ancestors and to itself."""
+    width = len(frontier)
+    mask = torch.zeros(width, cache_length + width, dtype=torch.bool, device=device)
+    mask[:, :prefix] = True
+    for row, node in enumerate(frontier):
+        ancestor = parents[node]
+        while ancestor >= 0:
+            mask[row, entry[ancestor]] = True
+            ancestor = parents[ancestor]
+        mask[row, cache_length + row] = True
+    return mask
+
+
+def prune(tokens, parents, depths, scores, size: int, device) -> DraftTree:
+    """The ``size`` best-scoring nodes, closed under ancestors, as a tree (parents first)."""
     order = sorted(range(len(tokens)), key=lambda n: (-scores[n], n))
     kept: list[int] = []
     for node in order:
-        if len(kept) == num_draft_tokens - 1:
+        if len(kept) == size:
             break
         if parents[node] < 0 or parents[node] in kept:
             kept.append(node)

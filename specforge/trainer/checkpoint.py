@@ -19,16 +19,24 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from specforge.errors import UserError
 from specforge.io import atomic_directory, write_json_atomic
+from specforge.models.eagle3 import (
+    FROZEN_WEIGHTS,
+    Eagle3Config,
+    Eagle3DraftModel,
+    load_draft_weights,
+)
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
-FROZEN = ("embed_tokens.weight",)
 
 
 def draft_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The draft's state dict without the frozen embedding, contiguous, on CPU."""
     return {
-        k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k not in FROZEN
+        k: v.detach().cpu().contiguous()
+        for k, v in model.state_dict().items()
+        if k not in FROZEN_WEIGHTS
     }
 
 
@@ -60,16 +68,32 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``trainer_state.json`` (the step and the config it was trained with).
+
+    Raises:
+        UserError: ``path`` is not a checkpoint folder.
+    """
+    path = Path(path)
+    if not (path / "draft.safetensors").is_file():
+        raise UserError(f"{path} is not a training checkpoint (no draft.safetensors)")
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def load_draft(path: Path) -> Eagle3DraftModel:
+    """The draft saved in checkpoint ``path`` (its frozen embedding left for the caller)."""
+    path = Path(path)
+    read_trainer_state(path)
+    config_path = path / "draft_config.json"
+    config = Eagle3Config.from_dict(json.loads(config_path.read_text()), str(config_path))
+    model = Eagle3DraftModel(config)
+    load_draft_weights(model, load_file(str(path / "draft.safetensors")), str(path))
+    return model
+
+
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer=None) -> dict[str, Any]:
     """Load weights (and optimizer/RNG state) from ``path``; returns the trainer state."""
-    weights = load_file(str(path / "draft.safetensors"))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if k not in FROZEN]
-    if missing or unexpected:
-        raise ValueError(
-            f"{path}: checkpoint does not fit the draft (missing {missing}, "
-            f"unexpected {unexpected})"
-        )
+    load_draft_weights(model, load_file(str(path / "draft.safetensors")), str(path))
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         rng = torch.load(path / "rng.pt", weights_only=True)

@@ -8,37 +8,39 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from specforge.config import SpecForgeConfig
+from specforge.data.batching import Batch, StepBatches, collate
 from specforge.data.chat import (
     TokenizedSample,
     pad_id_of,
+    scored_positions,
     set_chat_template,
     tokenize_conversations,
 )
 from specforge.data.conversations import Conversation
 from specforge.data.hidden_states import HiddenStateStore, check_manifest_matches
-from specforge.data.regenerate import read_records
+from specforge.data.sources import require_prepared
+from specforge.distributed import Distributed, shard_decoder_layers
+from specforge.errors import UserError
+from specforge.io import read_jsonl
 from specforge.models.eagle3 import Eagle3DraftModel
 from specforge.models.target import (
     TargetHead,
-    capture_hidden_states,
     decoder_layers,
+    load_generation_config,
     load_target,
     load_target_head,
     load_tokenizer,
     resolve_aux_layer_ids,
-    resolve_target_path,
     target_fingerprint,
+    target_hidden_states,
 )
-from specforge.trainer.batching import Batch, StepBatches, collate
-from specforge.trainer.distributed import Distributed, shard_decoder_layers
-from specforge.trainer.ttt import TargetDistribution, scored_positions, target_distribution
+from specforge.trainer.ttt import TargetDistribution, target_distribution
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ class HiddenStateSource(Protocol):
         ...
 
     def states(self, batch: Batch, draft: Eagle3DraftModel):
-        """``(aux_hidden_states (B, T, 3Ht), TargetDistribution)`` for a batch on the device."""
+        """``(aux_hidden_states (B, T, 3Ht), target_dist)`` for a batch on the device."""
         ...
 
 
@@ -74,11 +76,10 @@ def draft_target_distribution(
 ) -> TargetDistribution:
     """The target's distribution on the draft's vocabulary at the positions the loss scores
     (the same code for both sources)."""
-    hot_ids = torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device) + draft.d2t
     return target_distribution(
         last_hidden_state,
         lm_head,
-        hot_ids=hot_ids,
+        hot_ids=draft.hot_ids,
         t2d=draft.t2d,
         rows=scored_positions(batch.loss_mask, batch.attention_mask),
     )
@@ -88,12 +89,15 @@ def draft_target_distribution(
 # Online: the frozen target runs inside the step
 
 
-def load_training_samples(cfg: SpecForgeConfig, tokenizer, ranks: Distributed):
-    """Tokenized conversations of ``train.data_path`` (prepared first when missing)."""
-    from specforge.prepare import ensure_training_data
+def load_training_samples(cfg: SpecForgeConfig, tokenizer):
+    """Tokenized conversations of ``train.data_path`` (or what prepare wrote).
 
-    path = ensure_training_data(cfg, ranks)
-    records = read_records(path)
+    Raises:
+        UserError: the file is missing (run ``specforge prepare`` first) or holds no
+            conversation with assistant tokens.
+    """
+    path = require_prepared(cfg.training_data_path)
+    records = read_jsonl(path)
     conversations = [Conversation(r["id"], r["messages"]) for r in records]
     samples, stats = tokenize_conversations(
         tokenizer,
@@ -102,7 +106,7 @@ def load_training_samples(cfg: SpecForgeConfig, tokenizer, ranks: Distributed):
         system_prompt=cfg.data.system_prompt,
     )
     if not samples:
-        raise ValueError(f"{path}: no conversation with assistant tokens to train on")
+        raise UserError(f"{path}: no conversation with assistant tokens to train on")
     logger.info("training data %s: %s", path, stats.as_dict())
     return samples
 
@@ -111,12 +115,7 @@ class OnlineTarget:
     """The whole frozen target on every rank, or its decoder layers sharded with FSDP2."""
 
     def __init__(self, cfg: SpecForgeConfig, ranks: Distributed, device: str):
-        self.model, self.tokenizer = load_target(
-            cfg.target.name_or_path,
-            dtype=cfg.target.dtype,
-            device=device,
-            trust_remote_code=cfg.target.trust_remote_code,
-        )
+        self.model, self.tokenizer = load_target(cfg.target, device=device)
         set_chat_template(self.tokenizer, cfg.data.chat_template)
         self.generation_config = self.model.generation_config
         self.aux_layer_ids = resolve_aux_layer_ids(
@@ -130,8 +129,8 @@ class OnlineTarget:
         )
         if cfg.train.target_sharding == "fsdp" and ranks.world_size > 1:
             shard_decoder_layers(decoder_layers(self.model), device)
-        self.samples = load_training_samples(cfg, self.tokenizer, ranks)
-        self.pad_id = pad_id_of(self.tokenizer)
+        self.samples = load_training_samples(cfg, self.tokenizer)
+        self.pad_id = pad_id_of(self.tokenizer, self.generation_config)
 
     def step_batches(self, batches: StepBatches, steps: range) -> Iterator[list[Batch]]:
         for step in steps:
@@ -142,7 +141,7 @@ class OnlineTarget:
 
     @torch.no_grad()
     def states(self, batch: Batch, draft: Eagle3DraftModel):
-        states = capture_hidden_states(
+        states = target_hidden_states(
             self.model, batch.input_ids, batch.attention_mask, aux_layer_ids=self.aux_layer_ids
         )
         distribution = draft_target_distribution(
@@ -205,18 +204,10 @@ class OfflineShards:
     def __init__(self, cfg: SpecForgeConfig, ranks: Distributed, device: str):
         directory = cfg.capture_dir
         self.store = HiddenStateStore(directory)
-        self.head = load_target_head(
-            cfg.target.name_or_path,
-            dtype=cfg.target.dtype,
-            device=device,
-            trust_remote_code=cfg.target.trust_remote_code,
-        )
-        self.tokenizer = load_tokenizer(
-            cfg.target.name_or_path,
-            dtype=cfg.target.dtype,
-            trust_remote_code=cfg.target.trust_remote_code,
-        )
-        self.generation_config = _generation_config(cfg)
+        self.head = load_target_head(cfg.target, device=device)
+        self.tokenizer = load_tokenizer(cfg.target)
+        set_chat_template(self.tokenizer, cfg.data.chat_template)
+        self.generation_config = load_generation_config(cfg.target)
         self.aux_layer_ids = resolve_aux_layer_ids(
             cfg.target.aux_layer_ids, self.head.config.num_hidden_layers
         )
@@ -229,7 +220,7 @@ class OfflineShards:
             self.store.manifest, {**expected, "aux_layer_ids": self.aux_layer_ids}, str(directory)
         )
         self.samples = self.store.samples()
-        self.pad_id = pad_id_of(self.tokenizer)
+        self.pad_id = pad_id_of(self.tokenizer, self.generation_config)
         self.num_workers = cfg.train.num_workers
         logger.info(
             "offline: %d samples, %d tokens from %s",
@@ -257,17 +248,6 @@ class OfflineShards:
             batch.last_hidden_state.to(lm_head.dtype), lm_head, draft, batch
         )
         return batch.aux_hidden_states.to(lm_head.dtype), distribution
-
-
-def _generation_config(cfg: SpecForgeConfig):
-    """The target's generation config (its EOS ids join the draft vocabulary), if it has one."""
-    from transformers import GenerationConfig
-
-    path = Path(resolve_target_path(cfg.target.name_or_path, cfg.target.dtype))
-    try:
-        return GenerationConfig.from_pretrained(path)
-    except OSError:
-        return None
 
 
 def hidden_state_source(cfg: SpecForgeConfig, ranks: Distributed, device: str) -> HiddenStateSource:

@@ -22,7 +22,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from specforge.data.batching import Batch
 from specforge.models.eagle3 import Eagle3DraftModel, TTTCache
 
 
@@ -58,8 +60,9 @@ def target_distribution(
         lm_head_weight: (V, Ht) the target's output embedding.
         hot_ids: (Vd,) target ids of the draft vocabulary.
         t2d: (V,) bool membership of target ids in the draft vocabulary.
-        rows: optional (B, T) bool, the positions to compute (:func:`scored_positions`); the
-            others get zero probabilities, argmax ``-1`` and ``in_draft`` False.
+        rows: optional (B, T) bool, the positions to compute
+            (:func:`specforge.data.chat.scored_positions`); the others get zero probabilities,
+            argmax ``-1`` and ``in_draft`` False.
     """
     batch, length, width = last_hidden_state.shape
     if rows is None:
@@ -80,18 +83,6 @@ def target_distribution(
     return TargetDistribution(
         probs=out_probs, argmax=out_argmax, in_draft=(out_argmax >= 0) & t2d[out_argmax]
     )
-
-
-def scored_positions(
-    loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """(B, T) bool: the positions whose target distribution some TTT step scores against,
-    ``p`` with ``loss_mask[p + 1]`` (step ``k`` at ``t`` reads ``t + 1 + k`` and counts where
-    the mask holds on ``t + 2 + k``). Capture stores the last hidden state only there."""
-    masked = loss_mask.bool()
-    if attention_mask is not None:
-        masked = masked & attention_mask.bool()
-    return shift_left(masked, 1, fill=False)
 
 
 def first_needed_position(loss_mask: torch.Tensor, ttt_length: int) -> int:
@@ -157,7 +148,8 @@ def ttt_unroll(
     key_padding_mask = attention_mask.bool()
     positions = torch.arange(length, device=input_ids.device).expand(batch, length)
     cache = TTTCache()
-    hidden = aux_hidden_states
+    # (B, T, 3 * Ht) -> (B, T, H)
+    hidden = draft.fuse(aux_hidden_states)
     for k in range(ttt_length):
         ids, step_positions = shift_left(input_ids, 1 + k), positions + k
         if k > 0:
@@ -181,7 +173,7 @@ def ttt_loss(
     attention_mask: torch.Tensor,
     loss_mask: torch.Tensor,
     aux_hidden_states: torch.Tensor,
-    target: TargetDistribution,
+    target_dist: TargetDistribution,
     ttt_length: int = 7,
     step_weight: float = 0.8,
 ) -> TTTResult:
@@ -196,8 +188,8 @@ def ttt_loss(
         attention_mask: (B, T) 1 for real tokens.
         loss_mask: (B, T) 1 on tokens the draft should learn to predict (assistant tokens).
         aux_hidden_states: (B, T, 3 * Ht) the target's aux layers.
-        target: the target's distribution per position (:func:`target_distribution`), at
-            least at :func:`scored_positions`.
+        target_dist: the target's distribution per position (:func:`target_distribution`), at
+            least at :func:`specforge.data.chat.scored_positions`.
         ttt_length: number of unrolled steps.
         step_weight: step ``k`` is weighted ``step_weight ** k``.
 
@@ -226,9 +218,9 @@ def ttt_loss(
         counted = shift_left(loss_mask, 2 + k, fill=False)
         rows, cols = counted[:, start:].nonzero(as_tuple=True)
         cols = cols + start
-        target_probs = target.probs[rows, cols + 1 + k]
-        target_argmax = target.argmax[rows, cols + 1 + k]
-        scored = target.in_draft[rows, cols + 1 + k]
+        target_probs = target_dist.probs[rows, cols + 1 + k]
+        target_argmax = target_dist.argmax[rows, cols + 1 + k]
+        scored = target_dist.in_draft[rows, cols + 1 + k]
         # 3. logits at counted positions only; soft cross-entropy, mean over scored ones
         # (B, T - start, H) -> (N, H) -> (N, draft_vocab_size)
         logits = draft.logits(hidden[rows, cols - start])
@@ -249,3 +241,27 @@ def ttt_loss(
             result.step_chain_correct.append(chain.sum())
     result.loss = total
     return result
+
+
+class TTTObjective(nn.Module):
+    """The draft plus its TTT loss as one module, so DDP sees the whole step in ``forward``."""
+
+    def __init__(self, draft: Eagle3DraftModel, ttt_length: int, step_weight: float):
+        super().__init__()
+        self.draft = draft
+        self.ttt_length = ttt_length
+        self.step_weight = step_weight
+
+    def forward(
+        self, batch: Batch, aux_hidden_states: torch.Tensor, target_dist: TargetDistribution
+    ) -> TTTResult:
+        return ttt_loss(
+            self.draft,
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            loss_mask=batch.loss_mask,
+            aux_hidden_states=aux_hidden_states,
+            target_dist=target_dist,
+            ttt_length=self.ttt_length,
+            step_weight=self.step_weight,
+        )

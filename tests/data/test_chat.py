@@ -3,7 +3,7 @@ import torch
 
 from specforge.data.chat import set_chat_template, tokenize_conversation, tokenize_conversations
 from specforge.data.conversations import Conversation
-from tests.conftest import make_tiny_tokenizer
+from tests.helpers import make_tiny_tokenizer
 
 MULTI_TURN = Conversation(
     "m",

@@ -5,10 +5,10 @@ import pytest
 
 from specforge.data.conversations import (
     MalformedRecord,
-    load_conversations,
     normalize_record,
     read_conversations,
 )
+from specforge.data.sources import load_conversations
 
 OPENAI = {
     "id": "a",
@@ -116,7 +116,8 @@ def test_unknown_extension_and_missing_source(tmp_path):
     path.write_text("a,b\n")
     with pytest.raises(ValueError, match="expected a .json or .jsonl file"):
         read_conversations(str(path))
-    with pytest.raises(ValueError, match="neither a local file/folder nor a loadable HF dataset"):
+    # a path that does not exist is a local error at once (no hub lookup and its retries)
+    with pytest.raises(ValueError, match="missing.jsonl'?: no such file or folder"):
         read_conversations(str(tmp_path / "missing.jsonl"))
 
 

@@ -10,6 +10,7 @@ from specforge.data.hidden_states import (
     plan_shards,
     sample_bytes,
 )
+from specforge.errors import UserError
 
 
 def sample(name, length, masked_from):
@@ -58,7 +59,7 @@ def test_forward_batches_respect_the_token_budget():
 
 def test_not_enough_disk_is_refused_with_both_figures(tmp_path):
     check_disk_space(tmp_path, 1024)
-    with pytest.raises(OSError, match=r"needs about .* GiB more in .* but only .* GiB are free"):
+    with pytest.raises(UserError, match=r"needs about .* GiB more in .* but only .* GiB are free"):
         check_disk_space(tmp_path, 2**60)
 
 

@@ -135,6 +135,7 @@ def _prepare_cmd(target_dir, data, output):
     ]
 
 
+@pytest.mark.integration
 def test_sigkill_then_rerun_equals_uninterrupted_run(tmp_path, tiny_target_dir):
     """A real process killed mid-run loses at most its batch in flight; the rerun finishes with
     exactly the output of an uninterrupted run."""

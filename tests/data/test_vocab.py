@@ -3,11 +3,11 @@ import logging
 import pytest
 import torch
 
+from specforge.data.chat import end_of_turn_ids
 from specforge.data.vocab import (
     VocabMap,
     build_vocab_map,
     count_token_frequencies,
-    end_of_turn_ids,
     load_vocab_map,
     save_vocab_map,
 )

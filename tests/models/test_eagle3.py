@@ -1,10 +1,9 @@
 import pytest
 import torch
 
-from specforge.data.vocab import build_vocab_map
 from specforge.models.eagle3 import DraftKVCache, Eagle3Config, Eagle3DraftModel, build_draft_model
 from specforge.trainer.ttt import ttt_unroll
-from tests.conftest import make_tiny_llama
+from tests.helpers import make_tiny_llama, tiny_draft
 
 EXPECTED_PARAMETERS = {
     "embed_tokens.weight": (96, 64),
@@ -24,32 +23,6 @@ EXPECTED_PARAMETERS = {
     "d2t": (32,),
     "t2d": (96,),
 }
-
-
-def tiny_draft(seed: int = 0, randomize_norms: bool = True):
-    target = make_tiny_llama(96, num_layers=4, seed=seed).float()
-    with torch.no_grad():
-        target.model.norm.weight.uniform_(0.5, 1.5)
-    config = Eagle3Config.from_target(target.config, draft_vocab_size=32)
-    counts = torch.arange(96).flip(0)  # token 0 most frequent
-    vocab = build_vocab_map(counts, 32, always_include=[95])
-    draft = build_draft_model(
-        config,
-        target_embedding=target.get_input_embeddings().weight,
-        target_lm_head=target.get_output_embeddings().weight,
-        d2t=vocab.d2t,
-        t2d=vocab.t2d,
-        target_norm=target.model.norm.weight,
-        seed=seed,
-    )
-    if not randomize_norms:
-        return target, draft
-    # Random norms so that the test exercises them (they initialize to ones).
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return target, draft
 
 
 def test_parameter_names_shapes_and_init():
@@ -85,7 +58,9 @@ def incremental_logits(draft: Eagle3DraftModel, ids, aux, prefix: int, steps: in
     step at position prefix-1+k, feeding back the last hidden state (teacher-forced tokens)."""
     cache = DraftKVCache()
     positions = torch.arange(prefix)[None]
-    logits, hidden = draft(ids[:, 1 : prefix + 1], aux[:, :prefix], positions, cache=cache)
+    logits, hidden = draft(
+        ids[:, 1 : prefix + 1], draft.fuse(aux[:, :prefix]), positions, cache=cache
+    )
     out = [logits[:, -1]]
     hidden = hidden[:, -1:]
     for k in range(1, steps):
@@ -132,13 +107,14 @@ def test_kv_cache_crop_and_explicit_mask_match_causal():
     _, draft = tiny_draft()
     ids, aux = torch.randint(0, 96, (1, 9)), torch.randn(1, 9, 192)
     with torch.no_grad():
-        full, _ = draft(ids, aux, torch.arange(9)[None], cache=DraftKVCache())
+        hidden = draft.fuse(aux)
+        full, _ = draft(ids, hidden, torch.arange(9)[None], cache=DraftKVCache())
         cache = DraftKVCache()
-        draft(ids[:, :5], aux[:, :5], torch.arange(5)[None], cache=cache)
-        draft(ids[:, 5:7], aux[:, 5:7], torch.arange(5, 7)[None], cache=cache)  # rejected
+        draft(ids[:, :5], hidden[:, :5], torch.arange(5)[None], cache=cache)
+        draft(ids[:, 5:7], hidden[:, 5:7], torch.arange(5, 7)[None], cache=cache)  # rejected
         cache.crop(5)
         mask = torch.ones(4, 9, dtype=torch.bool).tril(5)[None, None]
         rest, _ = draft(
-            ids[:, 5:], aux[:, 5:], torch.arange(5, 9)[None], cache=cache, attention_mask=mask
+            ids[:, 5:], hidden[:, 5:], torch.arange(5, 9)[None], cache=cache, attention_mask=mask
         )
     torch.testing.assert_close(rest, full[:, 5:], rtol=1e-5, atol=1e-5)

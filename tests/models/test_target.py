@@ -1,15 +1,16 @@
 import pytest
 import torch
 
+from specforge.config import TargetConfig
 from specforge.models.target import (
-    capture_hidden_states,
     check_aux_layer_ids,
     default_aux_layer_ids,
     embedded_gguf_path,
     load_target,
     resolve_target_path,
+    target_hidden_states,
 )
-from tests.conftest import make_tiny_llama
+from tests.helpers import make_tiny_llama
 
 
 def test_default_aux_layer_ids_match_the_engines():
@@ -36,7 +37,7 @@ def test_capture_equals_hf_hidden_states_at_id_plus_one(aux_layer_ids):
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, :3] = 0  # left padding on the second row
 
-    captured = capture_hidden_states(model, input_ids, attention_mask, aux_layer_ids=aux_layer_ids)
+    captured = target_hidden_states(model, input_ids, attention_mask, aux_layer_ids=aux_layer_ids)
     with torch.no_grad():
         reference = model(input_ids, attention_mask=attention_mask, output_hidden_states=True)
 
@@ -56,12 +57,12 @@ def test_capture_equals_hf_hidden_states_at_id_plus_one(aux_layer_ids):
 
 def test_capture_leaves_no_hooks_behind():
     model = make_tiny_llama(64, num_layers=4)
-    capture_hidden_states(model, torch.randint(0, 64, (1, 5)), aux_layer_ids=[1, 1, 0])
+    target_hidden_states(model, torch.randint(0, 64, (1, 5)), aux_layer_ids=[1, 1, 0])
     assert all(not layer._forward_hooks for layer in model.model.layers)
 
 
 def test_load_target_from_local_folder(tiny_target_dir, tiny_target):
-    model, tokenizer = load_target(str(tiny_target_dir), dtype="float32")
+    model, tokenizer = load_target(TargetConfig(str(tiny_target_dir), dtype="float32"))
     reference, _ = tiny_target
     assert not model.training
     assert all(not p.requires_grad for p in model.parameters())
@@ -72,7 +73,7 @@ def test_load_target_from_local_folder(tiny_target_dir, tiny_target):
 
 def test_load_target_rejects_unknown_dtype(tiny_target_dir):
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
-        load_target(str(tiny_target_dir), dtype="fp8")
+        load_target(TargetConfig(str(tiny_target_dir)), dtype="fp8")
 
 
 def test_non_embedded_names_pass_through():

@@ -1,16 +1,16 @@
 import json
 
 from specforge.cli import main
-from specforge.data.benchmarks import BUILTIN_EVAL, load_questions
-from specforge.trainer.train import train
-from tests.trainer.helpers import tiny_train_config
+from specforge.data.questions import BUILTIN_EVAL, load_questions
+from specforge.recipes.train import train
+from tests.helpers import tiny_train_config
 
 
 def test_bench_cli_end_to_end(tmp_path, peaked_target_dir):
     folder, data = peaked_target_dir
     run = train(tiny_train_config(folder, data, tmp_path / "run", "train.max_steps=3"))
     export = tmp_path / "export"
-    assert main(["export", str(run["checkpoint"]), str(export), "--dtype", "float32"]) == 0
+    assert main(["export", str(run.checkpoint), str(export), "--dtype", "float32"]) == 0
     questions = tmp_path / "question.jsonl"
     questions.write_text(
         json.dumps({"question_id": 1, "category": "math", "turns": ["add the numbers", "again"]})

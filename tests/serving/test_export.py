@@ -16,7 +16,7 @@ from specforge.serving.export import (
     load_exported_draft,
     write_export,
 )
-from tests.models.test_eagle3 import tiny_draft
+from tests.helpers import tiny_draft
 
 STACKED = [  # (param, shard name, shard id): both engines' stacked-parameter mapping
     (".qkv_proj", ".q_proj", "q"),
@@ -130,6 +130,7 @@ def test_directory_layout_and_config(exported):
         "config.json",
         "freq_32.pt",
         "model.safetensors",
+        "specforge-export.json",
     ]
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -164,8 +165,8 @@ def test_exported_directory_serves_the_same_logits(exported):
     )
     ids, aux = torch.randint(0, 96, (1, 7)), torch.randn(1, 7, 192)
     with torch.no_grad():
-        a, _ = draft(ids, aux, torch.arange(7)[None], cache=DraftKVCache())
-        b, _ = loaded(ids, aux, torch.arange(7)[None], cache=DraftKVCache())
+        a, _ = draft(ids, draft.fuse(aux), torch.arange(7)[None], cache=DraftKVCache())
+        b, _ = loaded(ids, loaded.fuse(aux), torch.arange(7)[None], cache=DraftKVCache())
     torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -226,17 +227,17 @@ def test_config_mismatches_with_the_target_are_rejected(change, message):
 
 def test_cli_exports_a_training_checkpoint(tmp_path, peaked_target_dir):
     from specforge.cli import main
-    from specforge.trainer.train import train
-    from tests.trainer.helpers import tiny_train_config
+    from specforge.recipes.train import train
+    from tests.helpers import tiny_train_config
 
     folder, data = peaked_target_dir
     result = train(tiny_train_config(folder, data, tmp_path / "run", "train.max_steps=2"))
     out = tmp_path / "export"
-    assert main(["export", str(result["checkpoint"]), str(out)]) == 0
+    assert main(["export", str(result.checkpoint), str(out)]) == 0
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "freq_64.pt", "tokenizer.json"} <= names
     tensors = load_file(str(out / "model.safetensors"))
     assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["t2d"].dtype == torch.bool
-    checkpoint = load_file(str(result["checkpoint"] / "draft.safetensors"))
+    checkpoint = load_file(str(result.checkpoint / "draft.safetensors"))
     torch.testing.assert_close(tensors["fc.weight"], checkpoint["fc.weight"].bfloat16())
     assert main(["export", str(tmp_path / "nope"), str(tmp_path / "x")]) == 2

@@ -6,9 +6,10 @@ from scipy.stats import chisquare
 
 from specforge.data.vocab import build_vocab_map
 from specforge.models.eagle3 import Eagle3Config, build_draft_model
-from specforge.serving.sampling import warp_probs
+from specforge.serving.sampling import accept_chain_sampling, accept_tree_sampling, warp_probs
 from specforge.serving.speculative import SpeculativeDecoder
-from tests.conftest import make_tiny_llama
+from specforge.serving.tree import DraftTree
+from tests.helpers import make_tiny_llama
 
 VOCAB, DRAWS, TEMPERATURE = 8, 6000, 1.0
 PROMPT = torch.tensor([[3, 1, 4, 1]])
@@ -118,3 +119,60 @@ def test_sampling_needs_a_positive_temperature():
 def test_top_p_keeps_the_smallest_nucleus():
     probs = warp_probs(torch.tensor([[2.0, 1.0, 0.0, -1.0]]).log_softmax(-1) * 1.0, 1.0, 0.7)
     assert (probs[0, 2:] == 0).all() and torch.isclose(probs.sum(), torch.tensor(1.0))
+
+
+# -- deterministic checks of the acceptors (fast; the chi-square tests above are the slow proof)
+
+
+def point_mass(token: int, vocab: int = VOCAB) -> torch.Tensor:
+    probs = torch.zeros(vocab)
+    probs[token] = 1.0
+    return probs
+
+
+def test_chain_acceptor_keeps_tokens_the_target_is_sure_of():
+    draft_tokens = torch.tensor([2, 5, 1])
+    draft_probs = torch.stack([point_mass(t) for t in (2, 5, 1)])
+    target_probs = torch.stack([point_mass(t) for t in (2, 5, 1, 7)])
+    for seed in range(20):
+        generator = torch.Generator().manual_seed(seed)
+        assert accept_chain_sampling(draft_tokens, draft_probs, target_probs, generator) == (3, 7)
+
+
+def test_chain_acceptor_rejects_a_token_the_target_never_emits():
+    draft_tokens = torch.tensor([2, 5])
+    draft_probs = torch.stack([point_mass(2), point_mass(5)])
+    # the target agrees on the first token, never emits the second (it wants 6 there)
+    target_probs = torch.stack([point_mass(2), point_mass(6), point_mass(0)])
+    for seed in range(20):
+        generator = torch.Generator().manual_seed(seed)
+        assert accept_chain_sampling(draft_tokens, draft_probs, target_probs, generator) == (1, 6)
+
+
+def test_chain_acceptor_resamples_from_the_residual_after_a_rejection():
+    # draft all on token 0; target half on 0, half on 3: a rejection must then give 3
+    draft_probs = point_mass(0)[None]
+    target = torch.zeros(VOCAB)
+    target[0] = target[3] = 0.5
+    target_probs = torch.stack([target, point_mass(1)])
+    outcomes = set()
+    for seed in range(50):
+        generator = torch.Generator().manual_seed(seed)
+        outcomes.add(accept_chain_sampling(torch.tensor([0]), draft_probs, target_probs, generator))
+    assert outcomes == {(1, 1), (0, 3)}  # accepted then bonus, or rejected then the residual
+
+
+def test_tree_acceptor_follows_the_child_the_target_draws():
+    # root -> {4, 6}; node 1 (token 6) -> {2}
+    tree = DraftTree(
+        tokens=torch.tensor([4, 6, 2]),
+        parents=torch.tensor([-1, -1, 1]),
+        depths=torch.tensor([1, 1, 2]),
+    )
+    root, after_4, after_6, after_2 = point_mass(6), point_mass(0), point_mass(2), point_mass(5)
+    target_probs = torch.stack([root, after_4, after_6, after_2])
+    generator = torch.Generator().manual_seed(0)
+    assert accept_tree_sampling(tree, target_probs, generator) == ([1, 2], 5)
+    # the target wants 7 at the root: no child matches, nothing accepted
+    target_probs[0] = point_mass(7)
+    assert accept_tree_sampling(tree, target_probs, generator) == ([], 7)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specforge.cli import main
+from specforge.config import TargetConfig
 from specforge.serving.sglang_client import sglang_generate
 from specforge.serving.speculative import SpeculativeDecoder
 
@@ -17,7 +18,7 @@ from specforge.serving.speculative import SpeculativeDecoder
 def server(tiny_target_dir):
     from specforge.models.target import load_target
 
-    target, _ = load_target(str(tiny_target_dir), dtype="float32")
+    target, _ = load_target(TargetConfig(str(tiny_target_dir), dtype="float32"))
     decoder = SpeculativeDecoder(target, random_draft(target), aux_layer_ids=[1, 1, 0], num_steps=3)
     served = {"completion_tokens": 0, "spec_verify_ct": 0}
 

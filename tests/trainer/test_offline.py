@@ -4,15 +4,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specforge.capture import capture
+from specforge.data.batching import collate
 from specforge.data.vocab import vocab_map_from_samples
+from specforge.distributed import Distributed
+from specforge.errors import UserError
 from specforge.models.eagle3 import Eagle3Config, build_draft_model
-from specforge.trainer.batching import collate
-from specforge.trainer.distributed import Distributed
+from specforge.recipes.capture import capture
+from specforge.recipes.train import train
 from specforge.trainer.sources import OfflineShards, OnlineTarget, attach_hidden_states
-from specforge.trainer.train import train
 from specforge.trainer.ttt import ttt_loss
-from tests.trainer.helpers import tiny_train_config, torchrun_train
+from tests.helpers import tiny_train_config, torchrun_train
 
 
 def offline_config(folder, data, out, *extra):
@@ -56,14 +57,14 @@ def test_online_and_offline_give_the_same_loss_and_gradients(tmp_path, peaked_ta
     results, grads = [], []
     for source, b in ((online, batch), (offline, offline_batch)):
         draft = draft_for(source)
-        aux, target = source.states(b, draft)
+        aux, target_dist = source.states(b, draft)
         result = ttt_loss(
             draft,
             input_ids=b.input_ids,
             attention_mask=b.attention_mask,
             loss_mask=b.loss_mask,
             aux_hidden_states=aux,
-            target=target,
+            target_dist=target_dist,
             ttt_length=3,
         )
         result.loss.backward()
@@ -84,15 +85,15 @@ def test_offline_training_matches_online_training(tmp_path, peaked_target_dir):
     cfg = offline_config(folder, data, tmp_path / "offline", "data.mode=offline", *steps)
     capture(cfg)
     offline = train(cfg)
-    assert offline["checkpoint"].name == online["checkpoint"].name == "step_6"
-    a = load_file(online["checkpoint"] / "draft.safetensors")
-    b = load_file(offline["checkpoint"] / "draft.safetensors")
+    assert offline.checkpoint.name == online.checkpoint.name == "step_6"
+    a = load_file(online.checkpoint / "draft.safetensors")
+    b = load_file(offline.checkpoint / "draft.safetensors")
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
     for split in ("train", "eval"):
-        for key, value in online[split].items():
+        for key, value in getattr(online, split).items():
             if key != "tokens_per_s":
-                assert offline[split][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+                assert getattr(offline, split)[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
 
 
 def test_offline_training_refuses_a_capture_of_other_settings(tmp_path, peaked_target_dir):
@@ -105,10 +106,11 @@ def test_offline_training_refuses_a_capture_of_other_settings(tmp_path, peaked_t
     with pytest.raises(ValueError, match=r"aux_layer_ids: captured \[1, 1, 0\], given \[0, 2, 3\]"):
         train(other)
     missing = offline_config(folder, data, tmp_path / "elsewhere", "data.mode=offline")
-    with pytest.raises(FileNotFoundError, match="rerun `specforge capture`"):
+    with pytest.raises(UserError, match="rerun `specforge capture`"):
         train(missing)
 
 
+@pytest.mark.integration
 def test_two_process_offline_training_matches_one_process(tmp_path, peaked_target_dir):
     folder, data = peaked_target_dir
     capture_dir = tmp_path / "capture"
@@ -133,7 +135,7 @@ def test_offline_resume_reproduces_an_uninterrupted_run(tmp_path, peaked_target_
     interrupted = tmp_path / "interrupted"
     train(offline_config(folder, data, interrupted, *steps), stop_after_step=3)
     resumed = train(offline_config(folder, data, interrupted, *steps, "train.resume=true"))
-    a = load_file(full["checkpoint"] / "draft.safetensors")
-    b = load_file(resumed["checkpoint"] / "draft.safetensors")
+    a = load_file(full.checkpoint / "draft.safetensors")
+    b = load_file(resumed.checkpoint / "draft.safetensors")
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-7)

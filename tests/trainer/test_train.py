@@ -1,11 +1,13 @@
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from specforge.trainer.batching import StepBatches, epoch_micro_batches
-from specforge.trainer.train import lr_factor, train
-from tests.trainer.helpers import tiny_train_config, torchrun_train
+from specforge.data.batching import StepBatches, epoch_micro_batches
+from specforge.recipes.train import train
+from specforge.trainer.optim import lr_factor
+from tests.helpers import tiny_train_config, torchrun_train
 
 
 def metrics(output_dir, split):
@@ -33,15 +35,15 @@ def test_loss_decreases_and_accuracy_rises_on_memorizable_data(tmp_path, peaked_
     assert [r["step"] for r in evals] == [0, 150]
     assert evals[-1]["acc_0"] > evals[0]["acc_0"] + 0.1
     assert evals[-1]["tau_pred"] > evals[0]["tau_pred"]
-    assert result["checkpoint"] == out / "checkpoints" / "step_150"
-    assert {p.name for p in result["checkpoint"].iterdir()} == {
+    assert result.checkpoint == out / "checkpoints" / "step_150"
+    assert {p.name for p in result.checkpoint.iterdir()} == {
         "draft.safetensors",
         "draft_config.json",
         "optimizer.pt",
         "rng.pt",
         "trainer_state.json",
     }
-    assert "embed_tokens.weight" not in load_file(result["checkpoint"] / "draft.safetensors")
+    assert "embed_tokens.weight" not in load_file(result.checkpoint / "draft.safetensors")
 
 
 def test_resume_reproduces_an_uninterrupted_run(tmp_path, peaked_target_dir):
@@ -61,8 +63,8 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, peaked_target_dir):
         for r in map(json.loads, (interrupted / "metrics.jsonl").read_text().splitlines())
     ]
     assert len(logged) == len(set(logged)) and (8, "train") in logged  # no step logged twice
-    a = load_file(full["checkpoint"] / "draft.safetensors")
-    b = load_file(resumed["checkpoint"] / "draft.safetensors")
+    a = load_file(full.checkpoint / "draft.safetensors")
+    b = load_file(resumed.checkpoint / "draft.safetensors")
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7)
@@ -106,6 +108,7 @@ def test_token_budget_splits_micro_batches():
     assert all(len(b) == 2 for b in batches) and len(batches) == 4
 
 
+@pytest.mark.integration
 def test_two_process_ddp_matches_one_process(tmp_path, peaked_target_dir):
     """torchrun with 2 gloo ranks x batch 1 == 1 process with 2 accumulated micro-batches."""
     folder, data = peaked_target_dir

@@ -1,15 +1,15 @@
 import pytest
 import torch
 
+from specforge.data.chat import scored_positions
 from specforge.trainer.ttt import (
     first_needed_position,
-    scored_positions,
     shift_left,
     target_distribution,
     ttt_loss,
     ttt_unroll,
 )
-from tests.models.test_eagle3 import tiny_draft
+from tests.helpers import tiny_draft
 
 
 def inputs(seed=0, length=14):
@@ -34,7 +34,7 @@ def run_ttt(draft, ids, attention_mask, loss_mask, aux, dist, ttt_length):
         attention_mask=attention_mask,
         loss_mask=loss_mask,
         aux_hidden_states=aux,
-        target=dist,
+        target_dist=dist,
         ttt_length=ttt_length,
     )
 
@@ -96,6 +96,9 @@ def test_perfect_draft_scores_full_accuracy_and_zero_excess_loss():
         def logits(self, hidden):
             return hidden
 
+        def fuse(self, aux_hidden_states):
+            return aux_hidden_states  # ignored by this stub
+
         def to_target_ids(self, ids):
             return ids + self.d2t[ids]
 
@@ -105,7 +108,7 @@ def test_perfect_draft_scores_full_accuracy_and_zero_excess_loss():
         attention_mask=attention_mask,
         loss_mask=loss_mask,
         aux_hidden_states=aux,
-        target=dist,
+        target_dist=dist,
         ttt_length=3,
     )
     assert result.accuracies == [1.0, 1.0, 1.0]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specforge.data.chat import TokenizedSample
+from specforge.errors import UserError
 
 
 @dataclass
@@ -133,7 +134,7 @@ class StepBatches:
         per_step = world_size * grad_accumulation
         self.steps_per_epoch = len(self._epoch(0)) // per_step
         if self.steps_per_epoch == 0:
-            raise ValueError(
+            raise UserError(
                 f"{len(samples)} training samples make {len(self._epoch(0))} micro-batches, fewer "
                 f"than one optimizer step needs ({per_step} = ranks x grad_accumulation)"
             )

@@ -1,4 +1,4 @@
-"""The ``prepare`` stage: conversations in, a clean conversations JSONL + statistics out.
+"""The ``prepare`` recipe: conversations in, a clean conversations JSONL + statistics out.
 
 1. read conversations (files, HF datasets, or the built-in prompts);
 2. optionally regenerate every assistant turn with the target (self-distillation);
@@ -16,16 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from specforge.config import SpecForgeConfig, to_dict
-from specforge.data.chat import set_chat_template, tokenize_conversations
-from specforge.data.conversations import Conversation, load_conversations
-from specforge.data.regenerate import read_records, regenerate_conversations
-from specforge.data.vocab import (
-    end_of_turn_ids,
-    save_vocab_map,
-    vocab_map_from_samples,
+from specforge.data.chat import end_of_turn_ids, set_chat_template, tokenize_conversations
+from specforge.data.conversations import Conversation
+from specforge.data.regenerate import regenerate_conversations
+from specforge.data.sources import load_conversations
+from specforge.data.vocab import save_vocab_map, vocab_map_from_samples
+from specforge.io import read_jsonl, write_json_atomic, write_jsonl_atomic
+from specforge.models.target import (
+    load_generation_config,
+    load_target,
+    load_target_config,
+    load_tokenizer,
 )
-from specforge.io import write_json_atomic, write_jsonl_atomic
-from specforge.models.target import load_target, load_target_config, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +63,7 @@ def prepare(cfg: SpecForgeConfig) -> PrepareResult:
     logger.info("read %d conversations from %s", len(conversations), source)
 
     if cfg.regenerate.enabled:
-        model, tokenizer = load_target(
-            cfg.target.name_or_path,
-            dtype=cfg.target.dtype,
-            device=cfg.target.device,
-            trust_remote_code=cfg.target.trust_remote_code,
-        )
+        model, tokenizer = load_target(cfg.target)
         result.timings_s["load_target"] = time.perf_counter() - clock
         set_chat_template(tokenizer, cfg.data.chat_template)
         clock = time.perf_counter()
@@ -81,13 +78,9 @@ def prepare(cfg: SpecForgeConfig) -> PrepareResult:
         )
         result.timings_s["regenerate"] = time.perf_counter() - clock
         result.stats["regenerate"] = report.as_dict()
-        written = [Conversation(r["id"], r["messages"]) for r in read_records(output)]
+        written = [Conversation(r["id"], r["messages"]) for r in read_jsonl(output)]
     else:
-        tokenizer = load_tokenizer(
-            cfg.target.name_or_path,
-            dtype=cfg.target.dtype,
-            trust_remote_code=cfg.target.trust_remote_code,
-        )
+        tokenizer = load_tokenizer(cfg.target)
         set_chat_template(tokenizer, cfg.data.chat_template)
         write_jsonl_atomic(output, (c.to_json() for c in conversations))
         written = conversations
@@ -100,16 +93,11 @@ def prepare(cfg: SpecForgeConfig) -> PrepareResult:
     result.stats["tokens"] = token_stats.as_dict()
 
     if cfg.prepare.vocab_output:
-        vocab_size = load_target_config(
-            cfg.target.name_or_path,
-            dtype=cfg.target.dtype,
-            trust_remote_code=cfg.target.trust_remote_code,
-        ).vocab_size
         vocab_map, counts = vocab_map_from_samples(
             samples,
-            vocab_size=vocab_size,
+            vocab_size=load_target_config(cfg.target).vocab_size,
             draft_vocab_size=cfg.vocab.draft_vocab_size,
-            end_of_turn=end_of_turn_ids(tokenizer),
+            end_of_turn=end_of_turn_ids(tokenizer, load_generation_config(cfg.target)),
         )
         save_vocab_map(vocab_map, cfg.prepare.vocab_output)
         covered = counts[vocab_map.t2d].sum() / counts.sum().clamp(min=1)
@@ -125,21 +113,3 @@ def prepare(cfg: SpecForgeConfig) -> PrepareResult:
     stats_path = output.with_name(output.stem + ".stats.json")
     write_json_atomic(stats_path, result.stats)
     return result
-
-
-def ensure_training_data(cfg: SpecForgeConfig, ranks) -> Path:
-    """The conversations training and capture read (``train.data_path``, else prepare's
-    output), running prepare first (on rank 0) when the latter is missing.
-
-    Raises:
-        FileNotFoundError: ``train.data_path`` was given and does not exist.
-    """
-    path = cfg.training_data_path
-    if not path.exists():
-        if cfg.train.data_path:
-            raise FileNotFoundError(f"train.data_path does not exist: {path}")
-        if ranks.is_main:
-            logger.info("%s is missing: running prepare first", path)
-            prepare(cfg)
-        ranks.barrier()
-    return path

@@ -1,4 +1,4 @@
-"""The ``capture`` stage: run the frozen target once over the training data and store what the
+"""The ``capture`` recipe: run the frozen target once over the training data and store what the
 TTT loss needs on disk (:mod:`specforge.data.hidden_states`), for offline training.
 
 1. load the target and tokenize the conversations (as training would: same template, mask,
@@ -24,24 +24,23 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specforge.config import SpecForgeConfig
+from specforge.config import SpecForgeConfig, torch_dtype
 from specforge.data import hidden_states as store
+from specforge.data.batching import collate
 from specforge.data.chat import (
     TokenizedSample,
     pad_id_of,
     set_chat_template,
     tokenize_conversations,
 )
-from specforge.data.conversations import load_conversations
+from specforge.data.sources import load_conversations, require_prepared
+from specforge.distributed import Distributed, setup_distributed
 from specforge.models.target import (
-    capture_hidden_states,
     load_target,
     resolve_aux_layer_ids,
     target_fingerprint,
+    target_hidden_states,
 )
-from specforge.prepare import ensure_training_data
-from specforge.trainer.batching import collate
-from specforge.trainer.distributed import setup_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +79,12 @@ def capture_header(cfg: SpecForgeConfig, fingerprint: dict, aux_layer_ids: list[
     }
 
 
-def capture_sources(cfg: SpecForgeConfig, ranks) -> list[str]:
-    """``data.inputs`` when given, else the conversations training reads (prepared first when
-    missing, as training does)."""
+def capture_sources(cfg: SpecForgeConfig) -> list[str]:
+    """``data.inputs`` when given, else the conversations training reads (which
+    ``specforge prepare`` writes)."""
     if cfg.data.inputs:
         return list(cfg.data.inputs)
-    return [str(ensure_training_data(cfg, ranks))]
+    return [str(require_prepared(cfg.training_data_path))]
 
 
 @torch.no_grad()
@@ -109,7 +108,7 @@ def capture_shard(
         lengths, batch_tokens=batch_tokens, max_batch_size=max_batch_size
     ):
         padded = collate([samples[i] for i in batch], pad_id).to(device)
-        states = capture_hidden_states(
+        states = target_hidden_states(
             model, padded.input_ids, padded.attention_mask, aux_layer_ids=aux_layer_ids
         )
         for row, i in enumerate(batch):
@@ -124,20 +123,23 @@ def capture(cfg: SpecForgeConfig) -> CaptureResult:
     """Run the capture stage described by ``cfg`` (see the module docstring)."""
     clock = time.perf_counter()
     ranks = setup_distributed(cfg.target.device)
+    try:
+        result = _capture(cfg, ranks)
+    finally:
+        ranks.close()
+    result.seconds = time.perf_counter() - clock
+    return result
+
+
+def _capture(cfg: SpecForgeConfig, ranks: Distributed) -> CaptureResult:
     directory = cfg.capture_dir
     result = CaptureResult(directory=directory, manifest=None)
-
     # 1. target and data
-    model, tokenizer = load_target(
-        cfg.target.name_or_path,
-        dtype=cfg.target.dtype,
-        device=ranks.device(cfg.target.device),
-        trust_remote_code=cfg.target.trust_remote_code,
-    )
+    model, tokenizer = load_target(cfg.target, device=ranks.device(cfg.target.device))
     set_chat_template(tokenizer, cfg.data.chat_template)
     aux_layer_ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids, model.config.num_hidden_layers)
     conversations = load_conversations(
-        capture_sources(cfg, ranks), fmt=cfg.data.format, split=cfg.data.split, limit=cfg.data.limit
+        capture_sources(cfg), fmt=cfg.data.format, split=cfg.data.split, limit=cfg.data.limit
     )
     samples, stats = tokenize_conversations(
         tokenizer,
@@ -146,48 +148,39 @@ def capture(cfg: SpecForgeConfig) -> CaptureResult:
         system_prompt=cfg.data.system_prompt,
     )
     result.stats = stats.as_dict()
-
     # 2. plan, and what is already done
-    header = capture_header(
-        cfg, target_fingerprint(model.config, tokenizer, cfg.target.name_or_path), aux_layer_ids
-    )
-    dtype = store.STORED_DTYPES[cfg.capture.dtype]
+    fingerprint = target_fingerprint(model.config, tokenizer, cfg.target.name_or_path)
+    dtype = torch_dtype(cfg.capture.dtype)
     plan = store.plan_shards(
         samples,
-        header=header,
+        header=capture_header(cfg, fingerprint, aux_layer_ids),
         hidden_size=model.config.hidden_size,
         itemsize=dtype.itemsize,
         shard_bytes=int(cfg.capture.shard_size_mb * 2**20),
     )
-    shard_ids = [[samples[i].id for i in shard] for shard in plan.shards]
-    hashes = [plan.plan_hash(n, ids) for n, ids in enumerate(shard_ids)]
+    hashes = [
+        plan.plan_hash(n, [samples[i].id for i in shard]) for n, shard in enumerate(plan.shards)
+    ]
     directory.mkdir(parents=True, exist_ok=True)
-    done = {
-        n
-        for n in range(len(plan.shards))
-        if store.complete_entry(directory, n, hashes[n]) is not None
-    }
+    done = {n for n, h in enumerate(hashes) if store.complete_entry(directory, n, h) is not None}
     todo = [n for n in range(ranks.rank, len(plan.shards), ranks.world_size) if n not in done]
-
+    result.shards_skipped = sum(1 for n in done if n % ranks.world_size == ranks.rank)
     # 3. room on disk
     if ranks.is_main:
         store.remove_temp_files(directory)
-        remaining = sum(plan.shard_bytes[n] for n in range(len(plan.shards)) if n not in done)
-        store.check_disk_space(directory, remaining)
+        store.check_disk_space(
+            directory, sum(b for n, b in enumerate(plan.shard_bytes) if n not in done)
+        )
     ranks.barrier()
-
     # 4. this rank's shards
-    pad_id = pad_id_of(tokenizer)
-    todo_tokens = sum(len(samples[i].input_ids) for n in todo for i in plan.shards[n])
     total_gib = sum(plan.shard_bytes) / 2**30
     progress = tqdm(
-        total=todo_tokens,
+        total=sum(len(samples[i].input_ids) for n in todo for i in plan.shards[n]),
         unit="tok",
         unit_scale=True,
         desc=f"capture ({len(plan.shards)} shards, ~{total_gib:.2f} GiB in all)",
         disable=not ranks.is_main,
     )
-    result.shards_skipped = sum(1 for n in done if n % ranks.world_size == ranks.rank)
     for n in todo:
         shard_samples = [samples[i] for i in plan.shards[n]]
         payload = capture_shard(
@@ -197,21 +190,19 @@ def capture(cfg: SpecForgeConfig) -> CaptureResult:
             dtype=dtype,
             batch_tokens=cfg.capture.batch_tokens,
             max_batch_size=cfg.capture.max_batch_size,
-            pad_id=pad_id,
+            pad_id=pad_id_of(tokenizer, model.generation_config),
             progress=progress,
         )
         store.write_shard(directory, n, payload, samples=shard_samples, plan_hash=hashes[n])
         result.shards_written += 1
         result.tokens_captured += sum(len(s.input_ids) for s in shard_samples)
     progress.close()
-
     # 5. merge the manifest
     ranks.barrier()
     if ranks.is_main:
-        entries = [store.complete_entry(directory, n, hashes[n]) for n in range(len(plan.shards))]
+        entries = [store.complete_entry(directory, n, h) for n, h in enumerate(hashes)]
         missing = [store.shard_name(n) for n, e in enumerate(entries) if e is None]
         if missing:
             raise RuntimeError(f"{directory}: shards {missing} are incomplete after capture")
         result.manifest = store.write_manifest(directory, plan, entries)
-    result.seconds = time.perf_counter() - clock
     return result

@@ -21,6 +21,8 @@ class Distributed:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    owns_group: bool = False
+    """This stage joined the process group (and leaves it in :meth:`close`)."""
 
     @property
     def is_main(self) -> bool:
@@ -29,6 +31,12 @@ class Distributed:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+    def close(self) -> None:
+        """Leave the process group if this stage joined it."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_group = False
 
     def device(self, device: str) -> str:
         """This rank's device: ``cuda`` becomes ``cuda:<local_rank>`` under torchrun."""
@@ -43,9 +51,11 @@ def setup_distributed(device: str) -> Distributed:
     if world_size == 1:
         return Distributed()
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         dist.init_process_group(backend=backend)
-    return Distributed(dist.get_rank(), world_size, int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return Distributed(dist.get_rank(), world_size, local_rank, owns_group)
 
 
 def shard_decoder_layers(layers: nn.ModuleList, device: str) -> None:

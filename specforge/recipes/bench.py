@@ -1,0 +1,127 @@
+"""The ``bench`` recipe: the target alone, transformers' prompt-lookup decoding and our
+speculative runtime on the same prompts in the same run (batch size 1, greedy), or, with
+``bench.engine: sglang``, the accept length a running SGLang server reports.
+
+MT-Bench is run as EAGLE and SpecForge run it: every turn is a fresh prefill, the second turn is
+asked after the target's own first answer (which every lossless method reproduces), the
+template's default system prompt unless ``bench.system_prompt`` is set. A progress bar shows the
+turns done, tokens/s and the running accept length.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from specforge.config import SpecForgeConfig, to_dict, torch_dtype
+from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
+from specforge.data.questions import ask_turns, load_questions, resolve_question_set
+from specforge.errors import UserError
+from specforge.models.target import load_target, load_tokenizer
+from specforge.serving.bench import BenchTally, MethodComparison, bench_report, write_report
+from specforge.serving.export import exported_aux_layer_ids, load_exported_draft
+from specforge.serving.speculative import SpeculativeDecoder
+
+logger = logging.getLogger(__name__)
+
+
+def bench_settings(cfg: SpecForgeConfig, questions: str) -> dict[str, Any]:
+    """The settings a report records (``bench.json``'s ``settings``)."""
+    return {
+        **to_dict(cfg.bench),
+        "target": cfg.target.name_or_path,
+        "device": cfg.target.device,
+        "draft": str(cfg.bench_draft),
+        "questions": questions,
+        "output": str(cfg.bench_dir),
+    }
+
+
+def build_comparison(cfg: SpecForgeConfig) -> tuple[MethodComparison, Any]:
+    """Load the target (in ``bench.dtype``) and the exported draft; returns the comparison
+    and the tokenizer."""
+    bc = cfg.bench
+    target, tokenizer = load_target(cfg.target, dtype=bc.dtype)
+    draft = load_exported_draft(
+        cfg.bench_draft,
+        target_config=target.config,
+        target_embedding=target.get_input_embeddings().weight.detach().float(),
+        dtype=torch_dtype(bc.dtype),
+    ).to(cfg.target.device)
+    decoder = SpeculativeDecoder(
+        target,
+        draft,
+        aux_layer_ids=exported_aux_layer_ids(cfg.bench_draft, target.config.num_hidden_layers),
+        num_steps=bc.num_steps,
+        topk=bc.topk,
+        num_draft_tokens=bc.num_draft_tokens,
+    )
+    comparison = MethodComparison(
+        target,
+        decoder,
+        max_new_tokens=bc.max_new_tokens,
+        prompt_lookup_num_tokens=bc.prompt_lookup_num_tokens,
+        eos_token_ids=end_of_turn_ids(tokenizer, target.generation_config),
+        pad_token_id=pad_id_of(tokenizer, target.generation_config),
+    )
+    return comparison, tokenizer
+
+
+def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
+    """Run the benchmark ``cfg.bench`` describes; writes ``bench.json``, ``bench.md`` and
+    ``bench.png`` to ``cfg.bench_dir`` and returns what ``bench.json`` holds.
+
+    Raises:
+        UserError: a missing draft or URL, or an unreadable question set.
+    """
+    bc = cfg.bench
+    questions_source = resolve_question_set(bc.questions)
+    if bc.engine == "sglang":
+        return _bench_sglang(cfg, questions_source)
+    if not (cfg.bench_draft / "config.json").is_file():
+        raise UserError(f"{cfg.bench_draft} is not an export directory: run specforge export")
+    questions = load_questions(questions_source, limit=bc.limit)
+    logger.info("benchmarking on %s (%d questions)", questions_source, len(questions))
+    comparison, tokenizer = build_comparison(cfg)
+    device = cfg.target.device
+    hello = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}])
+    comparison.warm_up(torch.tensor([hello], device=device))
+    tally = BenchTally(num_steps=bc.num_steps)
+    progress = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn")
+    for question in questions:
+
+        def answer(turn, messages, question=question):
+            ids = torch.tensor([prompt_ids(tokenizer, messages)], device=device)
+            info = {"question_id": question.id, "category": question.category, "turn": turn}
+            reference = comparison.run(ids, tally, **info)
+            return tokenizer.decode(reference, skip_special_tokens=True), None
+
+        for _ in ask_turns(question, answer, system_prompt=bc.system_prompt):
+            progress.update(1)
+            progress.set_postfix(
+                tau=f"{tally.stats.tau:.2f}",
+                tok_s=f"{tally.tokens['eagle3'] / max(tally.seconds['eagle3'], 1e-9):.1f}",
+            )
+    progress.close()
+    result = bench_report(tally, bench_settings(cfg, questions_source))
+    write_report(result, cfg.bench_dir)
+    return result
+
+
+def _bench_sglang(cfg: SpecForgeConfig, questions: str) -> dict[str, Any]:
+    from specforge.serving.sglang_client import run_sglang_bench
+
+    if not cfg.bench.url:
+        raise UserError("bench.engine sglang needs bench.url (the running server, --url)")
+    return run_sglang_bench(
+        cfg.bench.url,
+        load_tokenizer(cfg.target),
+        questions,
+        max_new_tokens=cfg.bench.max_new_tokens,
+        output=str(cfg.bench_dir),
+        system_prompt=cfg.bench.system_prompt,
+        limit=cfg.bench.limit,
+    )

@@ -1,0 +1,69 @@
+"""The ``export`` recipe: a training checkpoint -> the directory SGLang and vLLM load
+(:mod:`specforge.serving.export` holds the contract and the writer).
+
+The target is the one the checkpoint was trained against (its config and tokenizer; no weights
+are loaded). ``trust_remote_code`` comes only from this run's own config or flag, never from the
+checkpoint's saved config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from specforge.config import SpecForgeConfig, TargetConfig, from_dict
+from specforge.errors import UserError
+from specforge.models.target import load_target_config, load_tokenizer
+from specforge.serving.export import write_export
+from specforge.trainer.checkpoint import latest_checkpoint, load_draft, read_trainer_state
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_to_export(cfg: SpecForgeConfig) -> Path:
+    """``export.checkpoint``, else the newest checkpoint under ``<output_dir>/checkpoints``.
+
+    Raises:
+        UserError: there is none.
+    """
+    if cfg.export.checkpoint:
+        return Path(cfg.export.checkpoint)
+    newest = latest_checkpoint(Path(cfg.output_dir) / "checkpoints")
+    if newest is None:
+        raise UserError(
+            f"no checkpoint under {cfg.output_dir}/checkpoints: train first, or name one "
+            "(specforge export CHECKPOINT OUTPUT)"
+        )
+    return newest
+
+
+def trained_target(state: dict, cfg: SpecForgeConfig) -> TargetConfig:
+    """The target a checkpoint was trained against, with this run's ``trust_remote_code``."""
+    saved = state["config"]["target"]
+    known = {f.name for f in dataclasses.fields(TargetConfig)}
+    target = from_dict(TargetConfig, {k: v for k, v in saved.items() if k in known}, "target.")
+    return dataclasses.replace(target, trust_remote_code=cfg.target.trust_remote_code)
+
+
+def export(cfg: SpecForgeConfig) -> Path:
+    """Export the checkpoint ``cfg`` names to ``cfg.export_dir``; returns the directory.
+
+    Raises:
+        UserError: no checkpoint, a checkpoint that does not fit, or an output directory that
+            holds something other than a previous export.
+    """
+    checkpoint = checkpoint_to_export(cfg)
+    state = read_trainer_state(checkpoint)
+    target = trained_target(state, cfg)
+    model = load_draft(checkpoint)
+    out = write_export(
+        cfg.export_dir,
+        model=model,
+        target_config=load_target_config(target),
+        aux_layer_ids=state["aux_layer_ids"],
+        dtype=cfg.export.dtype,
+        tokenizer=load_tokenizer(target),
+    )
+    logger.info("exported %s -> %s", checkpoint, out)
+    return out

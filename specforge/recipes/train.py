@@ -1,0 +1,275 @@
+"""The ``train`` recipe: EAGLE-3 training with training-time test. The draft learns from the
+frozen target's hidden states, which come from the target running inside each step (online) or
+from a capture on disk (``data.mode: offline``; :mod:`specforge.trainer.sources`).
+
+Launch with ``torchrun --nproc_per_node=N scripts/train_eagle3.py --config ...`` (DDP on gloo for
+CPU, nccl for CUDA; add ``--nnodes`` for several machines) or ``specforge train --config ...``.
+The draft is replicated with DDP; ``train.zero_optimizer`` shards its AdamW state (ZeRO-1); in
+online mode ``train.target_sharding: fsdp`` shards the frozen target's decoder layers (FSDP2).
+
+It reads top to bottom: :func:`setup` (distributed, hidden-state source, data, vocab map, draft,
+optimizer, resume), then :func:`train`'s loop in a fixed order (lr, micro-batches, clip, step,
+log, eval, checkpoint), then :meth:`TrainingRun.close`, which releases what setup opened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from tqdm import tqdm
+
+from specforge.config import SpecForgeConfig, to_dict
+from specforge.data.batching import StepBatches, split_train_eval
+from specforge.data.chat import TokenizedSample, end_of_turn_ids
+from specforge.data.vocab import save_vocab_map, vocab_map_from_samples
+from specforge.distributed import Distributed, setup_distributed
+from specforge.models.eagle3 import Eagle3Config, Eagle3DraftModel, build_draft_model
+from specforge.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from specforge.trainer.metrics import MetricsLog, ttt_metrics
+from specforge.trainer.optim import build_optimizer, set_lr
+from specforge.trainer.sources import HiddenStateSource, hidden_state_source
+from specforge.trainer.ttt import TTTObjective, TTTResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What a training run ended with."""
+
+    train: dict[str, float] = field(default_factory=dict)
+    """The last logged training metrics (loss, ``acc_k``, lr, grad norm, tokens/s)."""
+    eval: dict[str, float] = field(default_factory=dict)
+    """The last evaluation on the held-out conversations (with ``tau_pred``)."""
+    checkpoint: Path | None = None
+    """The last checkpoint written (rank 0; ``None`` on other ranks)."""
+
+
+@dataclass
+class TrainingRun:
+    """Everything :func:`setup` builds for the loop."""
+
+    cfg: SpecForgeConfig
+    ranks: Distributed
+    device: str
+    source: HiddenStateSource
+    draft: Eagle3DraftModel
+    draft_config: Eagle3Config
+    objective: nn.Module
+    """:class:`TTTObjective`, wrapped in DDP when there are several ranks."""
+    optimizer: torch.optim.Optimizer
+    batches: StepBatches
+    eval_samples: list[TokenizedSample]
+    log: MetricsLog
+    start_step: int
+
+    @property
+    def unwrapped(self) -> TTTObjective:
+        return getattr(self.objective, "module", self.objective)
+
+    def autocast(self):
+        enabled = self.cfg.train.dtype == "bfloat16"
+        device_type = torch.device(self.device).type
+        return torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=enabled)
+
+    def close(self) -> None:
+        """Close the metric writers and leave the process group this run joined."""
+        self.log.close()
+        self.ranks.close()
+
+
+def setup(cfg: SpecForgeConfig) -> TrainingRun:
+    """Distributed setup, the hidden-state source and data, the vocab map, the draft, its
+    optimizer, and the resume state."""
+    tc = cfg.train
+    ranks = setup_distributed(cfg.target.device)
+    device = ranks.device(cfg.target.device)
+    torch.manual_seed(tc.seed)
+    # 1. hidden states and data
+    source = hidden_state_source(cfg, ranks, device)
+    train_samples, eval_samples = split_train_eval(source.samples, tc.eval_fraction)
+    # 2. the draft vocabulary and the draft, initialised from the target
+    head = source.head
+    vocab_map, _ = vocab_map_from_samples(
+        train_samples,
+        vocab_size=head.config.vocab_size,
+        draft_vocab_size=cfg.vocab.draft_vocab_size,
+        end_of_turn=end_of_turn_ids(source.tokenizer, source.generation_config),
+    )
+    draft_config = Eagle3Config.from_target(
+        head.config, draft_vocab_size=vocab_map.draft_vocab_size
+    )
+    draft = build_draft_model(
+        draft_config,
+        target_embedding=head.embed_tokens.float().cpu(),
+        target_lm_head=head.lm_head.float().cpu(),
+        d2t=vocab_map.d2t,
+        t2d=vocab_map.t2d,
+        target_norm=head.norm.float().cpu(),
+        seed=tc.seed,
+    ).to(device)
+    # 3. optimizer, resume, and the objective DDP wraps
+    optimizer = build_optimizer(
+        [p for p in draft.parameters() if p.requires_grad], tc, ranks.world_size
+    )
+    start_step = 0
+    out = Path(cfg.output_dir)
+    if tc.resume and (latest := latest_checkpoint(out / "checkpoints")) is not None:
+        start_step = load_checkpoint(latest, model=draft, optimizer=optimizer)["step"]
+        logger.info("resumed from %s (step %d)", latest, start_step)
+    objective: nn.Module = TTTObjective(draft, tc.ttt_length, tc.step_weight)
+    if ranks.world_size > 1:
+        objective = nn.parallel.DistributedDataParallel(objective)
+    if ranks.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_vocab_map(vocab_map, out / "vocab_map.safetensors")
+    batches = StepBatches(
+        train_samples,
+        seed=tc.seed,
+        batch_size=tc.batch_size,
+        max_tokens_per_batch=tc.max_tokens_per_batch,
+        world_size=ranks.world_size,
+        rank=ranks.rank,
+        grad_accumulation=tc.grad_accumulation,
+        pad_id=source.pad_id,
+    )
+    log = MetricsLog(cfg, ranks.is_main)
+    log.start_at(start_step)
+    return TrainingRun(
+        cfg=cfg,
+        ranks=ranks,
+        device=device,
+        source=source,
+        draft=draft,
+        draft_config=draft_config,
+        objective=objective,
+        optimizer=optimizer,
+        batches=batches,
+        eval_samples=eval_samples,
+        log=log,
+        start_step=start_step,
+    )
+
+
+def evaluate(run: TrainingRun) -> dict[str, float]:
+    """TTT metrics (with ``tau_pred``) on the held-out samples, one sample per forward."""
+    run.draft.eval()
+    results = []
+    with torch.no_grad(), run.autocast():
+        for sample in run.eval_samples:
+            batch = run.source.eval_batch(sample).to(run.device)
+            aux, target_dist = run.source.states(batch, run.draft)
+            results.append(run.unwrapped(batch, aux, target_dist))
+    run.draft.train()
+    return ttt_metrics(results, run.cfg.train.ttt_length)
+
+
+def save(run: TrainingRun, step: int) -> Path | None:
+    """Write checkpoint ``step`` (rank 0; every rank takes part in consolidating ZeRO state)."""
+    path = None
+    if isinstance(run.optimizer, ZeroRedundancyOptimizer):
+        run.optimizer.consolidate_state_dict(to=0)
+    if run.ranks.is_main:
+        path = save_checkpoint(
+            Path(run.cfg.output_dir) / "checkpoints",
+            step,
+            model=run.draft,
+            optimizer=run.optimizer,
+            draft_config=run.draft_config.to_dict(),
+            state={"aux_layer_ids": run.source.aux_layer_ids, "config": to_dict(run.cfg)},
+        )
+    run.ranks.barrier()
+    return path
+
+
+def accumulate(run: TrainingRun, micro_batches) -> tuple[list[TTTResult], int]:
+    """Forward and backward over one optimizer step's micro-batches (gradients summed, DDP
+    synchronising on the last); returns their results and real-token count."""
+    results, tokens = [], 0
+    for index, batch in enumerate(micro_batches):
+        batch = batch.to(run.device)
+        aux, target_dist = run.source.states(batch, run.draft)
+        last = index == len(micro_batches) - 1
+        no_sync = not last and run.ranks.world_size > 1
+        with run.objective.no_sync() if no_sync else contextlib.nullcontext():
+            with run.autocast():
+                result = run.objective(batch, aux, target_dist)
+            (result.loss / len(micro_batches)).backward()
+        result.loss = result.loss.detach()
+        results.append(result)
+        tokens += batch.num_tokens
+    return results, tokens
+
+
+def train(cfg: SpecForgeConfig, *, stop_after_step: int | None = None) -> TrainResult:
+    """Train an EAGLE-3 draft as ``cfg`` describes (see the module docstring).
+
+    Args:
+        cfg: the recipe.
+        stop_after_step: end after this many optimizer steps (a checkpoint is written there);
+            the LR schedule still spans ``train.max_steps``. For time-sliced jobs and tests.
+
+    Returns:
+        The last train and eval metrics and the last checkpoint.
+    """
+    run = setup(cfg)
+    try:
+        return _loop(run, min(cfg.train.max_steps, stop_after_step or cfg.train.max_steps))
+    finally:
+        run.close()
+
+
+def _loop(run: TrainingRun, end_step: int) -> TrainResult:
+    tc, result = run.cfg.train, TrainResult()
+    if run.start_step == 0 and run.eval_samples:
+        result.eval = evaluate(run)
+        run.log.log(0, "eval", result.eval)
+    steps = range(run.start_step, end_step)
+    progress = tqdm(
+        steps, initial=run.start_step, total=end_step, desc="train", disable=not run.ranks.is_main
+    )
+    trainable = [p for p in run.draft.parameters() if p.requires_grad]
+    window: list[TTTResult] = []
+    window_tokens, window_start = 0, time.perf_counter()
+    run.draft.train()
+    step_batches = run.source.step_batches(run.batches, steps)
+    for step, micro_batches in zip(progress, step_batches, strict=True):
+        # 1. learning rate of this step
+        lr = set_lr(run.optimizer, tc, step)
+        # 2. forward and backward over the micro-batches (gradient accumulation)
+        results, tokens = accumulate(run, micro_batches)
+        window += results
+        window_tokens += tokens
+        # 3. clip, 4. optimizer step
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, tc.max_grad_norm)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        done = step + 1
+        # 5. log
+        if done % tc.log_every == 0 or done == end_step:
+            seconds = time.perf_counter() - window_start
+            result.train = ttt_metrics(window, tc.ttt_length) | {
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "tokens_per_s": window_tokens * run.ranks.world_size / seconds,
+            }
+            run.log.log(done, "train", result.train)
+            shown = {k: v for k, v in result.train.items() if k == "loss" or k.startswith("acc_")}
+            progress.set_postfix({k: f"{v:.3f}" for k, v in shown.items()})
+            window, window_tokens, window_start = [], 0, time.perf_counter()
+        # 6. evaluate
+        if run.eval_samples and (done % tc.eval_every == 0 or done == end_step):
+            result.eval = evaluate(run)
+            run.log.log(done, "eval", result.eval)
+        # 7. checkpoint
+        if done % tc.save_every == 0 or done == end_step:
+            result.checkpoint = save(run, done)
+    progress.close()
+    return result

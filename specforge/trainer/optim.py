@@ -1,0 +1,37 @@
+"""The draft's optimizer and learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from specforge.config import TrainConfig
+
+
+def lr_factor(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(max_steps - warmup_steps, 1)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, tc: TrainConfig, step: int) -> float:
+    """Set the learning rate of optimizer step ``step`` on every parameter group; returns it."""
+    lr = tc.lr * lr_factor(
+        step, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps, min_lr_ratio=tc.min_lr_ratio
+    )
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def build_optimizer(params: list[torch.nn.Parameter], tc: TrainConfig, world_size: int):
+    """AdamW (fused: runs on CPU and CUDA, ~4x the default's speed on the draft); its state
+    sharded across ranks (ZeRO-1, ``ZeroRedundancyOptimizer``) with ``train.zero_optimizer``."""
+    adamw = {"lr": tc.lr, "weight_decay": tc.weight_decay, "fused": True}
+    if tc.zero_optimizer and world_size > 1:
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **adamw)
+    return torch.optim.AdamW(params, **adamw)

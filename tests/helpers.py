@@ -1,0 +1,164 @@
+"""Test builders shared by every test module: a tiny byte-level tokenizer with a ChatML
+template, tiny random Llama targets and drafts (all built in-process, no downloads), short
+training configs, and a torchrun launcher. Fixtures built on them live in ``conftest.py``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from specforge.config import load_config
+from specforge.data.vocab import build_vocab_map
+from specforge.models.eagle3 import Eagle3Config, build_draft_model
+
+REPO = Path(__file__).parents[1]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<pad>"]
+
+
+def make_tiny_tokenizer(chat_template: str | None = CHATML_TEMPLATE):
+    """A byte-level BPE tokenizer (one token per byte, a few merges) with ChatML specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n")]
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<pad>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def make_tiny_llama(
+    vocab_size: int,
+    *,
+    num_layers: int = 4,
+    hidden: int = 64,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+    initializer_range: float = 0.02,
+):
+    """A random Llama causal LM small enough to run many forwards per test."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+        tie_word_embeddings=False,
+        initializer_range=initializer_range,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = eos_token_id
+    model.generation_config.pad_token_id = eos_token_id
+    return model
+
+
+def tiny_draft(seed: int = 0, randomize_norms: bool = True):
+    target = make_tiny_llama(96, num_layers=4, seed=seed).float()
+    with torch.no_grad():
+        target.model.norm.weight.uniform_(0.5, 1.5)
+    config = Eagle3Config.from_target(target.config, draft_vocab_size=32)
+    counts = torch.arange(96).flip(0)  # token 0 most frequent
+    vocab = build_vocab_map(counts, 32, always_include=[95])
+    draft = build_draft_model(
+        config,
+        target_embedding=target.get_input_embeddings().weight,
+        target_lm_head=target.get_output_embeddings().weight,
+        d2t=vocab.d2t,
+        t2d=vocab.t2d,
+        target_norm=target.model.norm.weight,
+        seed=seed,
+    )
+    if not randomize_norms:
+        return target, draft
+    # Random norms so that the test exercises them (they initialize to ones).
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return target, draft
+
+
+def tiny_train_config(folder, data, output_dir, *extra):
+    return load_config(
+        None,
+        [
+            f"target.name_or_path={folder}",
+            "target.dtype=float32",
+            f"train.data_path={data}",
+            f"output_dir={output_dir}",
+            "train.dtype=float32",
+            "train.lr=3e-3",
+            "train.warmup_steps=3",
+            "vocab.draft_vocab_size=64",
+            "train.eval_fraction=0.2",
+            "train.log_every=1",
+            "train.ttt_length=3",
+            *extra,
+        ],
+    )
+
+
+def torchrun_train(nproc: int, out, folder, *extra: str):
+    """Four steps of ``scripts/train_eagle3.py`` on the tiny target under torchrun; returns the
+    step-4 draft weights and the ranks' stderr."""
+    from safetensors.torch import load_file
+
+    common = [
+        f"output_dir={out}",
+        f"target.name_or_path={folder}",
+        "target.dtype=float32",
+        "train.dtype=float32",
+        "train.lr=3e-3",
+        "train.warmup_steps=2",
+        "vocab.draft_vocab_size=64",
+        "train.eval_fraction=0.2",
+        "train.ttt_length=3",
+        "train.max_steps=4",
+        "train.eval_every=100",
+    ]
+    done = torchrun(nproc, "scripts/train_eagle3.py", *common, *extra)
+    return load_file(Path(out) / "checkpoints" / "step_4" / "draft.safetensors"), done.stderr
+
+
+def torchrun(nproc: int, script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``script`` under ``torchrun --standalone`` with ``nproc`` gloo ranks (1 thread each)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--standalone",
+        script,
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done

@@ -1,0 +1,156 @@
+"""The package's structure, checked: the import layers of DESIGN.md (no import reaches up a
+layer, none forms a cycle, lazy imports included) and the size of functions."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parents[1] / "specforge"
+
+LAYERS = {
+    "specforge.cli": 5,
+    "specforge.recipes": 4,
+    "specforge.trainer": 3,
+    "specforge.serving": 3,
+    "specforge.models": 2,
+    "specforge.data": 1,
+    "specforge.config": 0,
+    "specforge.io": 0,
+    "specforge.errors": 0,
+    "specforge.distributed": 0,
+    "specforge.configs": 0,
+    "specforge": 0,
+}
+"""``scripts -> cli -> recipes -> {trainer, serving} -> models -> data -> {config, io, errors,
+distributed}``: a module imports only from lower layers, or from its own package (without
+cycles); ``trainer`` and ``serving`` never import each other."""
+
+MAX_FUNCTION_LINES = 80
+LONG_FUNCTIONS: dict[str, str] = {}
+"""Functions allowed past the limit, with the reason (none today)."""
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> tuple[str, int]:
+    """The layer a ``specforge`` module belongs to (the longest matching prefix)."""
+    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return prefix, LAYERS[prefix]
+
+
+def imported_modules(path: Path, tree: ast.AST | None = None) -> list[tuple[str, int]]:
+    """``(specforge module, line)`` for every import in a file, top-level or inside functions."""
+    tree = tree or ast.parse(path.read_text())
+    found = []
+    package = module_name(path) if path.name == "__init__.py" else module_name(path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + (path.name == "__init__.py")]
+                base = ".".join([*anchor, base] if base else anchor)
+            found += [(base, node.lineno)]
+    return [(name, line) for name, line in found if name.split(".")[0] == "specforge"]
+
+
+def import_graph() -> dict[str, list[tuple[str, int]]]:
+    return {module_name(path): imported_modules(path) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer_violations(graph: dict[str, list[tuple[str, int]]]) -> list[str]:
+    problems = []
+    for module, imports in graph.items():
+        home, level = layer_of(module)
+        for name, line in imports:
+            other_home, other_level = layer_of(name)
+            upward = other_level > level
+            sideways = other_level == level and other_home != home and level > 0
+            if upward or sideways:
+                problems.append(
+                    f"{module}:{line} imports {name} ({other_home} is not below {home})"
+                )
+    return problems
+
+
+def cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
+    """Import cycles between modules (depth-first search on the module graph)."""
+    edges = {
+        m: sorted({n for n, _ in imports if n in graph and n != m}) for m, imports in graph.items()
+    }
+    found, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in edges[node]:
+            if state.get(nxt) == "open":
+                found.append(stack[stack.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = "done"
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])
+    return found
+
+
+def test_imports_follow_the_layers():
+    assert layer_violations(import_graph()) == []
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        ("specforge.data.chat", "from specforge.trainer.ttt import ttt_loss", "imports"),
+        ("specforge.models.eagle3", "from specforge.serving import bench", "imports"),
+        ("specforge.trainer.ttt", "import specforge.serving.tree", "imports"),
+        ("specforge.data.vocab", "def f():\n    from specforge.recipes import train\n", "imports"),
+        ("specforge.data.vocab", "from specforge.io import read_jsonl", None),
+    ],
+)
+def test_the_layer_check_catches_a_forbidden_import(tmp_path, module, source, expected):
+    """The check itself bites: adding one forbidden import (lazy ones too) is reported."""
+    path = PACKAGE.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    graph = import_graph()
+    graph[module] = graph[module] + imported_modules(path, ast.parse(source))
+    problems = layer_violations(graph)
+    if expected is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and module in problems[0] and expected in problems[0]
+
+
+def test_the_cycle_check_catches_a_cycle():
+    graph = import_graph()
+    conversations = "specforge.data.conversations"  # data.sources imports it
+    graph[conversations] = graph[conversations] + [("specforge.data.sources", 1)]
+    assert any(conversations in cycle for cycle in cycles(graph))
+
+
+def long_functions() -> list[str]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                name = f"{module_name(path)}.{node.name}"
+                if length > MAX_FUNCTION_LINES and name not in LONG_FUNCTIONS:
+                    found.append(f"{name}: {length} lines")
+    return found
+
+
+def test_no_function_is_longer_than_the_limit():
+    assert long_functions() == []
