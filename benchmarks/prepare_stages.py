@@ -3,8 +3,12 @@
     python benchmarks/prepare_stages.py --limit 16 --output outputs/bench/prepare_stages.json
 
 Steps: converting the GGUF to an HF folder (in a fresh cache, first load), loading the cached
-folder (every later load), self-distillation (generated tokens/s, batched), tokenization with
-loss masks (conversations/s), and the vocabulary map.
+folder (every later load), self-distillation of the same prompts with today's fixed batches
+(``regenerate.backend: static``, ``--baseline-batch-size``) and with continuous batching
+(``continuous``, ``--batch-size``) in the same run (generated tokens/s, their ratio, how many
+answers are identical, how often decode -> re-encode differs from the generated ids),
+tokenization with loss masks (conversations/s), and the vocabulary map. Run it alone: a second
+CPU-heavy process slows PyTorch many times over.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=16, help="built-in prompts to self-distill")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=64, help="continuous: rows in flight")
+    parser.add_argument("--baseline-batch-size", type=int, default=16, help="static batches")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--output", default="outputs/bench/prepare_stages.json")
     args = parser.parse_args()
@@ -50,18 +55,43 @@ def main() -> None:
         rows.append(("load cached target", time.perf_counter() - start, args.dtype))
 
         conversations = builtin_conversations("train")[: args.limit]
-        cfg = RegenerateConfig(
-            enabled=True, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size
+        reports, answers = {}, {}
+        for backend, batch_size in (
+            ("static", args.baseline_batch_size),
+            ("continuous", args.batch_size),
+        ):
+            cfg = RegenerateConfig(
+                enabled=True,
+                backend=backend,
+                max_new_tokens=args.max_new_tokens,
+                batch_size=batch_size,
+            )
+            with tempfile.TemporaryDirectory() as work:
+                output = Path(work) / "distilled.jsonl"
+                report = regenerate_conversations(model, tokenizer, conversations, output, cfg)
+                records = read_jsonl(output)
+            reports[backend], answers[backend] = report, records
+            rows.append(
+                (
+                    f"self-distill {args.limit} prompts, {backend} (batch {batch_size})",
+                    report.seconds,
+                    f"{report.generated_tokens / report.seconds:.0f} generated tok/s",
+                )
+            )
+        written = [Conversation.from_record(r) for r in answers["continuous"]]
+        rate = {b: r.generated_tokens / r.seconds for b, r in reports.items()}
+        identical = sum(
+            a["meta"]["token_ids"] == b["meta"]["token_ids"]
+            for a, b in zip(answers["static"], answers["continuous"], strict=True)
         )
-        with tempfile.TemporaryDirectory() as work:
-            output = Path(work) / "distilled.jsonl"
-            report = regenerate_conversations(model, tokenizer, conversations, output, cfg)
-            written = [Conversation(r["id"], r["messages"]) for r in read_jsonl(output)]
+        report = reports["continuous"]
         rows.append(
             (
-                f"self-distill {args.limit} prompts (batch {args.batch_size})",
-                report.seconds,
-                f"{report.generated_tokens / report.seconds:.0f} generated tok/s",
+                "continuous / static",
+                0.0,
+                f"{rate['continuous'] / rate['static']:.2f}x tokens/s; {identical}/"
+                f"{len(conversations)} conversations token-identical; re-encode differs in "
+                f"{report.reencode_mismatch_turns}/{report.turns} answers",
             )
         )
 
@@ -82,7 +112,9 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
-        "regenerate": report.as_dict(),
+        "regenerate": {backend: r.as_dict() for backend, r in reports.items()},
+        "regenerate_speedup": round(rate["continuous"] / rate["static"], 2),
+        "regenerate_identical_conversations": identical,
         "tokens": stats.as_dict(),
         "cached_target_mb": round(size_mb, 1),
         "steps": [{"step": name, "seconds": round(s, 2), "note": note} for name, s, note in rows],

@@ -46,6 +46,7 @@ FLAG_NAMES = {
     "target.name_or_path": "target",
     "data.inputs": "data",
     "regenerate.enabled": "regenerate",
+    "synthesize.count": "synthesize",
     "capture.dtype": "store-dtype",
     "output_dir": "output-dir",
 }
@@ -92,7 +93,9 @@ FLAG_DEST = "config:"
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, stage: Stage, names: dict) -> None:
-    """One flag per config field the stage reads (positionals for ``stage.positional``)."""
+    """One flag per config field the stage reads (positionals for ``stage.positional``); a
+    field name that two of its sections share is ``--section-field`` in the later one."""
+    used: set[str] = set()
     for key in stage.keys:
         for dotted, field_type, doc in config_fields(key):
             kwargs = _argument_kwargs(field_type)
@@ -103,8 +106,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, stage: Stage, names: d
             if dotted in stage.positional:
                 parser.add_argument(FLAG_DEST + dotted, nargs="?", **kwargs)
             else:
-                flag = "--" + names.get(dotted, dotted.rpartition(".")[2]).replace("_", "-")
-                parser.add_argument(flag, dest=FLAG_DEST + dotted, **kwargs)
+                name = names.get(dotted, dotted.rpartition(".")[2])
+                if name in used:
+                    name = dotted.replace(".", "-")
+                used.add(name)
+                parser.add_argument(
+                    "--" + name.replace("_", "-"), dest=FLAG_DEST + dotted, **kwargs
+                )
 
 
 def flag_overrides(args: argparse.Namespace) -> list[str]:
@@ -215,7 +223,7 @@ STAGES = {
         _run_prepare,
         "read conversations (files, HF datasets, or the built-in prompts), optionally "
         "self-distill them with the target, write OpenAI-messages JSONL and token statistics",
-        ("target", "data", "regenerate", "vocab", "prepare"),
+        ("target", "data", "regenerate", "synthesize", "vocab", "prepare"),
     ),
     "capture": Stage(
         _run_capture,

@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -120,10 +121,27 @@ class RegenerateConfig:
 
     enabled: bool = False
     """Replace the assistant turns of the input with the target's own answers."""
+    backend: Literal["continuous", "static", "server"] = "continuous"
+    """``continuous``: rows leave the batch when their answer ends and waiting prompts join
+    (fast); ``static``: ``model.generate`` on fixed batches, turn by turn (the baseline);
+    ``server``: an OpenAI-compatible server at ``server_url`` (SGLang, vLLM) answers."""
+    server_url: str | None = None
+    """``http://HOST:PORT/v1`` of a running OpenAI-compatible server; setting it selects the
+    ``server`` backend (and turns regeneration on)."""
+    server_model: str | None = None
+    """The model name the server expects; default ``target.name_or_path``."""
+    concurrency: int = 8
+    """Server backend: conversations in flight."""
+    retries: int = 4
+    """Server backend: retries of a request that failed for a passing reason (refused
+    connection, HTTP 429 / 5xx, a cut or non-JSON body), with exponential backoff."""
+    retry_backoff_s: float = 1.0
+    """Server backend: the first retry waits this long, each next one twice as long."""
     max_new_tokens: int = 256
     """Longest answer generated per user turn."""
     batch_size: int = 16
-    """Conversations generated together (left-padded)."""
+    """Answers generated together: rows in flight (``continuous``) or conversations per fixed
+    batch (``static``)."""
     temperature: float = 0.0
     """0 means greedy decoding; > 0 samples at this temperature."""
     top_p: float = 1.0
@@ -138,10 +156,68 @@ class RegenerateConfig:
             raise ConfigError(f"regenerate.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.batch_size < 1:
             raise ConfigError(f"regenerate.batch_size must be >= 1, got {self.batch_size}")
+        if self.concurrency < 1 or self.retries < 0 or self.retry_backoff_s < 0:
+            raise ConfigError(
+                "regenerate.concurrency must be >= 1, retries and retry_backoff_s >= 0, got "
+                f"{self.concurrency}, {self.retries}, {self.retry_backoff_s}"
+            )
+        if self.server_url is not None:
+            if not self.server_url.startswith(("http://", "https://")):
+                raise ConfigError(
+                    f"regenerate.server_url must be http(s)://..., got {self.server_url!r}"
+                )
+            self.backend, self.enabled = "server", True
+        if self.backend == "server" and not self.server_url:
+            raise ConfigError("regenerate.backend server needs regenerate.server_url")
         if self.temperature < 0:
             raise ConfigError(f"regenerate.temperature must be >= 0, got {self.temperature}")
+        if self.max_prompt_length < 1:
+            raise ConfigError(
+                f"regenerate.max_prompt_length must be >= 1, got {self.max_prompt_length}"
+            )
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"regenerate.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class SynthesizeConfig:
+    """Prompts the target writes itself (``specforge prepare --synthesize N``; "Magpie")."""
+
+    count: int = 0
+    """Conversations to synthesize (0: none). They are added to ``data.inputs`` (the built-in
+    prompts are then used only when listed as the ``builtin`` source)."""
+    temperature: float = 1.0
+    """Sampling temperature of the prompts."""
+    top_p: float = 0.95
+    """Nucleus threshold of the prompts."""
+    max_prompt_tokens: int = 160
+    """A prompt that has not ended its turn after this many tokens is dropped."""
+    min_words: int = 4
+    """Shorter prompts are dropped."""
+    max_similarity: float = 0.6
+    """Word-trigram Jaccard similarity at which a prompt counts as a near duplicate."""
+    batch_size: int = 64
+    """Prompts sampled together (continuous batching)."""
+    max_attempts_factor: int = 4
+    """Give up after ``max_attempts_factor * count`` attempts (a warning says how many)."""
+    seed: int = 0
+    """Attempt ``a`` samples with a generator seeded from ``(seed, a)``."""
+
+    def __post_init__(self) -> None:
+        for name in ("count",):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"synthesize.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_prompt_tokens", "min_words", "batch_size", "max_attempts_factor"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"synthesize.{name} must be >= 1, got {getattr(self, name)}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"synthesize.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"synthesize.top_p must be in (0, 1], got {self.top_p}")
+        if not 0 < self.max_similarity <= 1:
+            raise ConfigError(
+                f"synthesize.max_similarity must be in (0, 1], got {self.max_similarity}"
+            )
 
 
 @dataclass
@@ -241,6 +317,9 @@ class TrainConfig:
     zero_optimizer: bool = False
     """Shard the draft's AdamW state across ranks (ZeRO stage 1, PyTorch's
     ``ZeroRedundancyOptimizer``); the draft itself stays replicated under DDP."""
+    max_nonfinite_steps: int = 0
+    """Steps with a non-finite loss or gradient norm that are skipped (no optimizer step)
+    before the run stops with an error naming the step and its samples."""
     tensorboard: bool = False
     """Also log to TensorBoard (``<output_dir>/tensorboard``; the ``tensorboard`` extra)."""
     wandb: bool = False
@@ -258,8 +337,22 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_workers < 0:
-            raise ConfigError(f"train.num_workers must be >= 0, got {self.num_workers}")
+        for name in ("num_workers", "warmup_steps", "max_nonfinite_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < 1:
+            raise ConfigError(
+                f"train.max_tokens_per_batch must be >= 1 or null (no limit), got "
+                f"{self.max_tokens_per_batch}"
+            )
+        if self.max_grad_norm <= 0:
+            raise ConfigError(f"train.max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if not 0 < self.step_weight <= 1:
+            raise ConfigError(f"train.step_weight must be in (0, 1], got {self.step_weight}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError(f"train.eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.lr <= 0:
@@ -327,6 +420,7 @@ class SpecForgeConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    synthesize: SynthesizeConfig = field(default_factory=SynthesizeConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
@@ -505,11 +599,13 @@ def _check(tp: Any, value: Any, key: str) -> Any:
         # PyYAML reads "3e-4" as a string (YAML 1.1); accept numeric strings for float fields.
         if isinstance(value, str):
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 raise ConfigError(f"{key} must be a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
+from specforge.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,8 +47,25 @@ class Distributed:
         return device
 
 
+def check_device(device: str) -> None:
+    """Refuse a device this machine does not have, before any loading.
+
+    Raises:
+        UserError: naming the device.
+    """
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise UserError(f"unknown device {device!r} (cpu, cuda, cuda:1, ...)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {device!r} is not available here (no CUDA GPU); use cpu")
+
+
 def setup_distributed(device: str) -> Distributed:
     """Join the torchrun process group when there is one (gloo on CPU, nccl on CUDA)."""
+    check_device(device)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return Distributed()

@@ -4,6 +4,7 @@ JSON-lines reader, which names the file and line of anything it cannot read."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -122,6 +123,15 @@ def append_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> None:
         os.fsync(f.fileno())
 
 
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(16 * 2**20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temp file in the same folder (``.<name>.*.tmp``), fsync
     and rename."""
@@ -177,6 +187,9 @@ def atomic_directory(final: str | Path, *, replace: bool = True) -> Iterator[Pat
     os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
+        mask = _umask()
+        for path in tmp.rglob("*"):  # some writers (safetensors) create files 0600
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
         if not final.exists():
             try:
                 tmp.rename(final)

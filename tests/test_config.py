@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -81,4 +82,40 @@ def test_missing_file_and_non_mapping(tmp_path):
     path = tmp_path / "list.yaml"
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.max_grad_norm=-1",
+        "train.lr=inf",
+        "train.lr=.nan",
+        "train.step_weight=0",
+        "train.warmup_steps=-3",
+        "train.min_lr_ratio=1.5",
+        "train.weight_decay=-0.1",
+        "train.max_tokens_per_batch=0",
+        "regenerate.temperature=.nan",
+        "regenerate.max_prompt_length=0",
+        "capture.shard_size_mb=.nan",
+        "synthesize.count=-1",
+        "bench.limit=0",
+        "bench.num_steps=0",
+    ],
+)
+def test_numeric_fields_out_of_range_are_refused_naming_the_key(override):
+    """Values that would silently run wrong (gradient ascent, NaN, 'no limit') are errors."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config(None, [override])
+
+
+def test_malformed_yaml_is_a_config_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  lr: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+    path.write_bytes(b"train:\n  lr: \xff\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
         load_config(path)

@@ -203,3 +203,28 @@ def test_cli_quickstart_leaves_the_export_and_a_bench(tmp_path):
     bench = json.loads((out / "bench" / "bench.json").read_text())
     assert bench["turns"] == 2 and bench["all_match"] is True
     assert bench["settings"]["questions"] == str(questions)
+
+
+def test_cli_synthesize_writes_distinct_prompts_and_resumes(tmp_path):
+    """`specforge prepare --synthesize N` on SmolLM2: N conversations whose user turns the
+    target wrote, all distinct and none sharing a 6-word run with MT-Bench; asking for more
+    later adds only the difference."""
+    from specforge.cli import main
+    from specforge.data.synthesize import mt_bench_run_hashes, shares_mt_bench_run
+
+    out = tmp_path / "synth.jsonl"
+    args = ["prepare", "--target", "smollm2-135m", "--output", str(out)]
+    args += ["regenerate.max_new_tokens=24", "--synthesize"]
+    assert main([*args, "6"]) == 0
+    first = [json.loads(line) for line in out.read_text().splitlines()]
+    assert main([*args, "9"]) == 0
+    second = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(first) == 6 and len(second) == 9
+    assert second[:6] == first  # kept, not redone
+    prompts = [r["messages"][0]["content"] for r in second]
+    assert len(set(prompts)) == 9
+    hashes = mt_bench_run_hashes()
+    assert not any(shares_mt_bench_run(p, hashes) for p in prompts)
+    assert all(r["messages"][1]["role"] == "assistant" for r in second)
+    stats = json.loads((tmp_path / "synth.stats.json").read_text())
+    assert stats["synthesize"]["accepted"] == 3 and stats["synthesize"]["already_done"] == 6

@@ -35,10 +35,16 @@ class Batch:
     """(B, T, 3 * Ht) offline mode: the captured aux layers (zero on padding)."""
     last_hidden_state: torch.Tensor | None = None
     """(B, T, Ht) offline mode: the captured final hidden state (zero where not stored)."""
+    sample_ids: list[str] = dataclasses.field(default_factory=list)
+    """The samples' ids, row by row (named when a batch gives a non-finite loss)."""
 
     def to(self, device) -> Batch:
-        fields = (getattr(self, f.name) for f in dataclasses.fields(self))
-        return Batch(*(None if t is None else t.to(device) for t in fields))
+        moved = {
+            f.name: value.to(device) if isinstance(value, torch.Tensor) else value
+            for f in dataclasses.fields(self)
+            if (value := getattr(self, f.name)) is not None
+        }
+        return Batch(**moved)
 
     @property
     def num_tokens(self) -> int:
@@ -55,7 +61,7 @@ def collate(samples: list[TokenizedSample], pad_id: int = 0) -> Batch:
         input_ids[row, :n] = sample.input_ids
         attention_mask[row, :n] = 1
         loss_mask[row, :n] = sample.loss_mask
-    return Batch(input_ids, attention_mask, loss_mask)
+    return Batch(input_ids, attention_mask, loss_mask, sample_ids=[s.id for s in samples])
 
 
 def split_train_eval(

@@ -39,6 +39,8 @@ class TokenizedSample:
     loss_mask: torch.Tensor
     """(T,) bool, True on assistant content and end-of-turn tokens."""
     truncated: bool = False
+    recorded_ids: bool = False
+    """The assistant tokens are the ids the target generated (not the text re-encoded)."""
 
 
 @dataclass
@@ -51,7 +53,12 @@ class TokenizeStats:
     assistant_tokens: int = 0
     truncated: int = 0
     skipped_no_assistant: int = 0
+    skipped_control_text: int = 0
+    """Conversations whose message text holds a special token's text (``<|im_start|>``...):
+    tokenized, it would act as a real control token (a planted turn, a wrong loss mask)."""
     max_tokens: int = 0
+    recorded_ids: int = 0
+    """Samples whose assistant tokens are the target's recorded ids (self-distilled data)."""
     skipped_ids: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, float | int]:
@@ -64,6 +71,8 @@ class TokenizeStats:
             "max_tokens": self.max_tokens,
             "truncated": self.truncated,
             "skipped_no_assistant": self.skipped_no_assistant,
+            "skipped_control_text": self.skipped_control_text,
+            "recorded_ids": self.recorded_ids,
         }
 
 
@@ -91,6 +100,18 @@ def end_of_turn_ids(tokenizer, generation_config=None) -> list[int]:
             continue
         ids.update(eos if isinstance(eos, list) else [eos])
     return sorted(int(i) for i in ids)
+
+
+def control_text_in(tokenizer, messages: list[dict[str, str]]) -> str | None:
+    """The first special token text (``<|im_start|>``, ``<|eot_id|>``...) that a message's
+    content holds, else ``None``. Content is text; such a string would tokenize as a control
+    token, so the conversation is skipped and counted instead."""
+    specials = [t for t in tokenizer.all_special_tokens if t]
+    for message in messages:
+        found = next((t for t in specials if t in message["content"]), None)
+        if found is not None:
+            return found
+    return None
 
 
 def pad_id_of(tokenizer, generation_config=None) -> int:
@@ -202,19 +223,53 @@ def tokenize_conversation(
     """
     messages = with_system_prompt(conversation.messages, system_prompt)
     full, spans = assistant_char_spans(tokenizer, messages)
-    encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = torch.tensor(encoding["input_ids"], dtype=torch.long)
-    starts = torch.tensor([start for start, _ in encoding["offset_mapping"]], dtype=torch.long)
-    loss_mask = torch.zeros(len(input_ids), dtype=torch.bool)
-    for span_start, span_end in spans:
-        loss_mask |= (starts >= span_start) & (starts < span_end)
+    spliced = None
+    if conversation.token_ids is not None:
+        answers = [m["content"] for m in messages if m["role"] == "assistant"]
+        spliced = spliced_ids(tokenizer, full, spans, answers, conversation.token_ids)
+    if spliced is not None:
+        input_ids, loss_mask = spliced
+    else:
+        encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        input_ids = torch.tensor(encoding["input_ids"], dtype=torch.long)
+        starts = torch.tensor([start for start, _ in encoding["offset_mapping"]], dtype=torch.long)
+        loss_mask = torch.zeros(len(input_ids), dtype=torch.bool)
+        for span_start, span_end in spans:
+            loss_mask |= (starts >= span_start) & (starts < span_end)
     truncated = len(input_ids) > max_length
     return TokenizedSample(
         id=conversation.id,
         input_ids=input_ids[:max_length],
         loss_mask=loss_mask[:max_length],
         truncated=truncated,
+        recorded_ids=spliced is not None,
     )
+
+
+def spliced_ids(
+    tokenizer, full: str, spans: list[tuple[int, int]], answers: list[str], token_ids
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The conversation as serving sees it: the template's text between answers tokenized,
+    each answer's span replaced by the ids the target generated (plus the template's
+    end-of-turn marker when the answer hit the length limit). ``None`` when the template does
+    not write an answer verbatim (then the text is tokenized as a whole)."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    cursor = 0
+    for (start, end), text, generated in zip(spans, answers, token_ids, strict=True):
+        if not full.startswith(text, start):
+            return None
+        between = tokenizer(full[cursor:start], add_special_tokens=False)["input_ids"]
+        marker = tokenizer(full[start + len(text) : end], add_special_tokens=False)["input_ids"]
+        stopped = bool(marker) and generated[-len(marker) :] == marker
+        answer = list(generated) if stopped else list(generated) + marker
+        ids += between + answer
+        mask += [False] * len(between) + [True] * len(answer)
+        cursor = end
+    tail = tokenizer(full[cursor:], add_special_tokens=False)["input_ids"]
+    ids += tail
+    mask += [False] * len(tail)
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
 
 def tokenize_conversations(
@@ -234,10 +289,15 @@ def tokenize_conversations(
     samples = []
     for conversation in conversations:
         stats.conversations += 1
+        if control_text_in(tokenizer, conversation.messages):
+            stats.skipped_control_text += 1
+            stats.skipped_ids.append(conversation.id)
+            continue
         sample = tokenize_conversation(
             tokenizer, conversation, max_length=max_length, system_prompt=system_prompt
         )
         stats.truncated += sample.truncated
+        stats.recorded_ids += sample.recorded_ids
         if not sample.loss_mask.any():
             stats.skipped_no_assistant += 1
             stats.skipped_ids.append(sample.id)
@@ -249,6 +309,11 @@ def tokenize_conversations(
         stats.max_tokens = max(stats.max_tokens, len(sample.input_ids))
     if stats.truncated:
         logger.warning("%d samples were truncated to max_length=%d", stats.truncated, max_length)
+    if stats.skipped_control_text:
+        logger.warning(
+            "%d conversations hold special-token text in a message and were skipped",
+            stats.skipped_control_text,
+        )
     if stats.skipped_no_assistant:
         logger.warning(
             "%d conversations had no assistant token (within max_length) and were skipped; "

@@ -53,9 +53,18 @@ class Conversation:
 
     id: str
     messages: list[dict[str, str]]
+    token_ids: list[list[int]] | None = None
+    """Per assistant message, the ids the target generated for it (``meta.token_ids`` of a
+    self-distilled record); tokenization then uses them instead of re-encoding the text."""
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "messages": self.messages}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Conversation:
+        """A conversation from a record this project wrote (``{"id", "messages", "meta"}``)."""
+        record_id, messages = normalize_record(record, "openai")
+        return cls(record_id or "", messages, recorded_token_ids(record, messages))
 
     @property
     def user_turns(self) -> list[str]:
@@ -106,6 +115,20 @@ def normalize_record(record: Any, fmt: str = "auto") -> tuple[str | None, list[d
     _check_messages(messages)
     record_id = next((record[k] for k in ID_KEYS if record.get(k) not in (None, "")), None)
     return (None if record_id is None else str(record_id)), messages
+
+
+def recorded_token_ids(record: Any, messages: list[dict[str, str]]) -> list[list[int]] | None:
+    """``meta.token_ids`` of a record, when it holds one list of ids per assistant message."""
+    meta = record.get("meta") if isinstance(record, dict) else None
+    ids = meta.get("token_ids") if isinstance(meta, dict) else None
+    answers = sum(m["role"] == "assistant" for m in messages)
+    if (
+        not isinstance(ids, list)
+        or len(ids) != answers
+        or not all(isinstance(t, list) and all(isinstance(i, int) for i in t) for t in ids)
+    ):
+        return None
+    return ids
 
 
 def _read_openai(turns: list[Any]) -> list[dict[str, str]]:
@@ -259,7 +282,8 @@ def read_conversations(
                 suffix += 1
             record_id = f"{record_id}#{suffix}"
         seen.add(record_id)
-        conversations.append(Conversation(record_id, messages))
+        token_ids = recorded_token_ids(record, messages)
+        conversations.append(Conversation(record_id, messages, token_ids))
     if report.skipped:
         logger.warning(
             "%s: skipped %d malformed of %d records; first: %s",

@@ -46,7 +46,7 @@ from safetensors.torch import save
 from specforge.config import torch_dtype
 from specforge.data.chat import TokenizedSample, scored_positions
 from specforge.errors import UserError
-from specforge.io import write_bytes_atomic, write_json_atomic
+from specforge.io import file_sha256, write_bytes_atomic, write_json_atomic
 
 FORMAT = "specforge-hidden-states"
 VERSION = 1
@@ -218,6 +218,8 @@ def complete_entry(directory: Path, index: int, plan_hash: str) -> dict[str, Any
         )
     if not shard_path.is_file() or shard_path.stat().st_size != entry["bytes"]:
         return None
+    if file_sha256(shard_path) != entry["sha256"]:  # corrupted since: redo it
+        return None
     return entry
 
 
@@ -283,7 +285,29 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
             f"{path}: not a {FORMAT} v{VERSION} manifest "
             f"(format {manifest.get('format')!r}, version {manifest.get('version')!r})"
         )
+    for index, entry in enumerate(manifest.get("shards", [])):
+        if entry.get("file") != shard_name(index):  # never a path outside the directory
+            raise UserError(
+                f"{path}: shard {index} is listed as {entry.get('file')!r}, expected "
+                f"{shard_name(index)!r} (a manifest names only its own directory's shards)"
+            )
     return manifest
+
+
+def check_shard(directory: Path, entry: dict[str, Any]) -> None:
+    """Refuse a shard whose size or sha256 is not the manifest's.
+
+    Raises:
+        UserError: naming the file (a truncated or corrupted shard; rerun the capture).
+    """
+    path = directory / entry["file"]
+    if not path.is_file():
+        raise UserError(f"{path} is missing; rerun the capture")
+    if path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
+        raise UserError(
+            f"{path} is corrupted or truncated (its size or sha256 is not the manifest's); "
+            "rerun `specforge capture` with the same settings to redo it"
+        )
 
 
 def check_manifest_matches(manifest: dict[str, Any], expected: dict[str, Any], where: str) -> None:
@@ -404,9 +428,15 @@ class HiddenStateStore:
         self._handles: dict[int, Any] = {}
 
     def samples(self) -> list[TokenizedSample]:
-        """Every captured sample's ids and loss mask, in manifest order."""
+        """Every captured sample's ids and loss mask, in manifest order. Each shard's size and
+        sha256 are checked here, once per run (DataLoader workers inherit the checked store).
+
+        Raises:
+            UserError: a shard that is missing, truncated or corrupted, named.
+        """
         samples = []
         for index, entry in enumerate(self.manifest["shards"]):
+            check_shard(self.directory, entry)
             with safe_open(self.directory / entry["file"], framework="pt") as f:
                 ids = f.get_tensor("input_ids").long()
                 mask = f.get_tensor("loss_mask")

@@ -2,27 +2,43 @@
 
 A draft learns the target's own distribution best from the target's own answers, so the input's
 assistant turns are dropped and regenerated turn by turn (turn ``j`` of a conversation sees the
-target's answers to turns ``< j``). Conversations are generated in batches with left padding.
+target's answers to turns ``< j``). Two in-process backends (``regenerate.backend``):
+
+- ``continuous`` (default): :mod:`specforge.data.generation`; rows leave the batch when their
+  answer ends and waiting prompts (other conversations, or the next turn of one just answered)
+  take their place;
+- ``static``: ``model.generate`` on fixed batches of ``batch_size`` conversations, turn by turn
+  (the earlier path, kept as the measured baseline and for caches continuous batching cannot
+  reshape);
+- ``server``: a running OpenAI-compatible server (SGLang, vLLM) answers,
+  ``regenerate.concurrency`` conversations at a time (:mod:`specforge.data.server_client`).
 
 Output: conversations JSONL, one ``{"id", "messages", "meta"}`` object per line, in input order.
+``meta.token_ids`` holds each assistant turn's generated ids exactly as the target produced them
+(end-of-turn id included when it stopped), so training can use them instead of re-encoding the
+text; ``meta.finish_reasons`` says ``stop`` or ``length`` per turn.
 
 Resumable and never half-written:
 
 1. ids already present in the output file (or in its in-progress sidecar) are skipped;
-2. each finished batch is appended to the sidecar ``<output>.partial`` with one write + fsync,
-   so a kill loses at most the batch in flight (a torn last line is dropped on the next run);
+2. each finished conversation is appended to the sidecar ``<output>.partial`` with one write +
+   fsync, so a kill loses at most the conversations in flight (a torn last line is dropped on
+   the next run);
 3. at the end the output file is replaced atomically (temp file + rename) by the old records
-   followed by the new ones, and the sidecar is removed.
+   followed by the new ones in input order, and the sidecar is removed.
 
-Sampled runs reseed each batch with ``seed + batch index``; a resumed sampled run therefore
-draws differently for the batches after the interruption (greedy runs are unaffected).
+Sampled runs seed every answer from ``(regenerate.seed, conversation id, turn)``, so an answer
+does not depend on batching or on where a run was interrupted.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from dataclasses import dataclass
+import zlib
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +47,7 @@ from tqdm import tqdm
 
 from specforge.config import RegenerateConfig
 from specforge.data.chat import (
+    control_text_in,
     end_of_turn_ids,
     left_padded,
     pad_id_of,
@@ -38,6 +55,8 @@ from specforge.data.chat import (
     with_system_prompt,
 )
 from specforge.data.conversations import Conversation
+from specforge.data.generation import ContinuousBatcher, GenerationSettings, Request
+from specforge.data.server_client import ChatClient
 from specforge.io import append_jsonl, read_jsonl, write_jsonl_atomic
 
 logger = logging.getLogger(__name__)
@@ -54,6 +73,11 @@ class RegenerateReport:
     generated_tokens: int = 0
     hit_max_new_tokens: int = 0
     stopped_long_prompt: int = 0
+    skipped_control_text: int = 0
+    """Conversations not answered: a message holds special-token text (it would act as a
+    control token; see :func:`specforge.data.chat.control_text_in`)."""
+    reencode_mismatch_turns: int = 0
+    """Answers whose text, tokenized again, is not the ids the target generated."""
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -65,6 +89,8 @@ class RegenerateReport:
             "generated_tokens": self.generated_tokens,
             "hit_max_new_tokens": self.hit_max_new_tokens,
             "stopped_long_prompt": self.stopped_long_prompt,
+            "skipped_control_text": self.skipped_control_text,
+            "reencode_mismatch_turns": self.reencode_mismatch_turns,
             "seconds": round(self.seconds, 1),
             "tokens_per_s": round(self.generated_tokens / max(self.seconds, 1e-9), 1),
         }
@@ -75,51 +101,88 @@ def partial_path(output: Path) -> Path:
     return output.with_name(output.name + ".partial")
 
 
-@torch.no_grad()
-def generate_answers(
-    model, tokenizer, prompts: list[list[dict[str, str]]], cfg: RegenerateConfig
-) -> list[tuple[str, int, bool]]:
-    """Answer a batch of chat prompts with the target.
+@dataclass
+class ConversationState:
+    """One conversation being answered: its history so far and what is left to ask."""
 
-    Args:
-        model: the target causal LM.
-        tokenizer: its tokenizer (with a chat template).
-        prompts: message lists, each ending with a user turn.
-        cfg: generation settings.
+    conversation: Conversation
+    history: list[dict[str, str]]
+    user_turns: list[str]
+    finish_reasons: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
 
-    Returns:
-        ``(answer text, generated tokens, stopped at end-of-turn)`` per prompt.
-    """
-    from transformers import GenerationConfig
+    @property
+    def turn(self) -> int:
+        return len(self.finish_reasons)
 
-    eos_ids = end_of_turn_ids(tokenizer, model.generation_config)
-    pad_id = pad_id_of(tokenizer, model.generation_config)
-    batch = left_padded([prompt_ids(tokenizer, messages) for messages in prompts], pad_id)
-    sample = cfg.temperature > 0
-    generation_config = GenerationConfig(
-        max_new_tokens=cfg.max_new_tokens,
-        do_sample=sample,
-        temperature=cfg.temperature if sample else None,
-        top_p=cfg.top_p if sample else None,
-        top_k=None,
-        eos_token_id=eos_ids,
-        pad_token_id=pad_id,
-    )
-    output = model.generate(
-        input_ids=batch["input_ids"].to(model.device),
-        attention_mask=batch["attention_mask"].to(model.device),
-        generation_config=generation_config,
-    )
-    # (B, prompt + new) -> (B, new)
-    new_tokens = output[:, batch["input_ids"].shape[1] :].cpu()
-    results = []
-    for row in new_tokens:
-        is_eos = torch.isin(row, torch.tensor(eos_ids))
-        stopped = bool(is_eos.any())
-        length = int(is_eos.int().argmax()) + 1 if stopped else len(row)
-        text = tokenizer.decode(row[:length], skip_special_tokens=True).strip()
-        results.append((text, length, stopped))
-    return results
+    @property
+    def done(self) -> bool:
+        return self.turn >= len(self.user_turns)
+
+    def next_prompt(self) -> list[dict[str, str]]:
+        return self.history + [{"role": "user", "content": self.user_turns[self.turn]}]
+
+    def record(self, target_name: str) -> dict[str, Any]:
+        meta = {"generated_by": target_name, "finish_reasons": self.finish_reasons}
+        if len(self.token_ids) == len(self.finish_reasons):
+            meta["token_ids"] = self.token_ids
+        return {"id": self.conversation.id, "messages": self.history, "meta": meta}
+
+
+class Regeneration:
+    """The bookkeeping both backends share: prompts, answers, the report and the sidecar."""
+
+    def __init__(self, model, tokenizer, cfg: RegenerateConfig, sidecar: Path, target_name: str):
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.sidecar = sidecar
+        self.target_name = target_name
+        generation_config = getattr(model, "generation_config", None)  # None: server backend
+        self.eos_ids = end_of_turn_ids(tokenizer, generation_config)
+        self.pad_id = pad_id_of(tokenizer, generation_config)
+        self.report = RegenerateReport()
+        self.records: dict[str, dict[str, Any]] = {}
+        self.lock = threading.Lock()
+        """Guards the report (the server backend answers from several threads)."""
+
+    def prompt(self, state: ConversationState) -> list[int] | None:
+        """The next turn's prompt ids, or ``None`` when the conversation ends here (its prompt
+        grew past ``max_prompt_length``; it is written if it has an answer)."""
+        ids = prompt_ids(self.tokenizer, state.next_prompt())
+        if len(ids) > self.cfg.max_prompt_length:
+            self.report.stopped_long_prompt += 1
+            state.user_turns = state.user_turns[: state.turn]
+            return None
+        return ids
+
+    def answered(self, state: ConversationState, tokens: list[int], stopped: bool) -> None:
+        """Add a generated answer to the conversation (text without the end-of-turn id)."""
+        content = tokens[:-1] if stopped else tokens
+        text = self.tokenizer.decode(content, skip_special_tokens=True).strip()
+        reencoded = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        with self.lock:
+            self.report.reencode_mismatch_turns += reencoded != content
+        state.token_ids.append(list(tokens))
+        self.answered_text(state, text, stopped, len(tokens))
+
+    def answered_text(self, state: ConversationState, text: str, stopped: bool, tokens: int):
+        """Add an answer's text to the conversation's history (server answers: no ids)."""
+        state.history = state.next_prompt() + [{"role": "assistant", "content": text}]
+        state.finish_reasons.append("stop" if stopped else "length")
+        with self.lock:
+            self.report.turns += 1
+            self.report.generated_tokens += tokens
+            self.report.hit_max_new_tokens += not stopped
+
+    def finish(self, state: ConversationState) -> None:
+        """Write a finished conversation to the sidecar (nothing when no turn was answered)."""
+        if state.finish_reasons:
+            record = state.record(self.target_name)
+            append_jsonl(self.sidecar, [record])
+            self.records[record["id"]] = record
+
+    def seed(self, state: ConversationState) -> int:
+        return zlib.crc32(f"{self.cfg.seed}:{state.conversation.id}:{state.turn}".encode())
 
 
 def regenerate_conversations(
@@ -135,11 +198,11 @@ def regenerate_conversations(
     """Answer every user turn of ``conversations`` with the target and write them to ``output``.
 
     Args:
-        model: the target causal LM (eval mode).
+        model: the target causal LM (eval mode); ``None`` with the server backend.
         tokenizer: its tokenizer, with a chat template.
         conversations: inputs; their assistant turns are ignored, user and system turns kept.
         output: the conversations JSONL to write or extend.
-        cfg: batch size, sampling settings, token limits.
+        cfg: backend, batch size, sampling settings, token limits.
         system_prompt: prepended to conversations without a system message.
         target_name: recorded in each record's ``meta``.
 
@@ -148,79 +211,166 @@ def regenerate_conversations(
     """
     output = Path(output)
     sidecar = partial_path(output)
-    report = RegenerateReport(requested=len(conversations))
     old_records = read_jsonl(output)
-    new_records = read_jsonl(sidecar, repair=True)
-    done = {r["id"] for r in old_records} | {r["id"] for r in new_records}
-    todo = [c for c in conversations if c.id not in done]
-    report.already_done = len(conversations) - len(todo)
-    if report.already_done:
+    earlier = read_jsonl(sidecar, repair=True)
+    done = {r["id"] for r in old_records} | {r["id"] for r in earlier}
+    states = [
+        ConversationState(
+            conversation,
+            with_system_prompt(
+                [m for m in conversation.messages if m["role"] == "system"], system_prompt
+            ),
+            conversation.user_turns,
+        )
+        for conversation in conversations
+        if conversation.id not in done
+    ]
+    if len(states) < len(conversations):
         logger.info(
-            "%s: %d conversations already done, %d to go", output, report.already_done, len(todo)
+            "%s: %d conversations already done, %d to go",
+            output,
+            len(conversations) - len(states),
+            len(states),
         )
     output.parent.mkdir(parents=True, exist_ok=True)
+    run = Regeneration(model, tokenizer, cfg, sidecar, target_name)
+    clean = [s for s in states if not control_text_in(tokenizer, s.conversation.messages)]
+    run.report.skipped_control_text, states = len(states) - len(clean), clean
+    run.report.requested, run.report.already_done = (
+        len(conversations),
+        len(done & {c.id for c in conversations}),
+    )
     start = time.perf_counter()
-    progress = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not todo)
-    for batch_index in range(0, len(todo), cfg.batch_size):
-        if cfg.temperature > 0:
-            torch.manual_seed(cfg.seed + batch_index // cfg.batch_size)
-        batch = todo[batch_index : batch_index + cfg.batch_size]
-        records = _regenerate_batch(
-            model, tokenizer, batch, cfg, system_prompt, target_name, report
-        )
-        append_jsonl(sidecar, records)
-        new_records.extend(records)
-        progress.update(len(batch))
-        elapsed = time.perf_counter() - start
-        progress.set_postfix(tok_s=f"{report.generated_tokens / max(elapsed, 1e-9):.0f}")
+    progress = tqdm(total=len(states), desc="regenerate", unit="conv", disable=not states)
+    backend = {"continuous": run_continuous, "static": run_static, "server": run_server}[
+        cfg.backend
+    ]
+    backend(model, run, states, progress, start)
     progress.close()
-    report.seconds = time.perf_counter() - start
-    report.written = len(new_records)
+    run.report.seconds = time.perf_counter() - start
+    run.report.written = len(earlier) + len(run.records)
+    order = {c.id: i for i, c in enumerate(conversations)}
+    new_records = [r for r in earlier if r["id"] not in run.records] + list(run.records.values())
+    new_records.sort(key=lambda r: order.get(r["id"], len(order)))
     if new_records or not output.exists():
         write_jsonl_atomic(output, old_records + new_records)
     sidecar.unlink(missing_ok=True)
-    return report
+    return run.report
 
 
-def _regenerate_batch(model, tokenizer, batch, cfg, system_prompt, target_name, report):
-    """Generate all turns of a batch of conversations; returns their output records."""
-    # 1. keep the system turn (or the configured system prompt); drop the input's answers
-    histories = [
-        with_system_prompt([m for m in c.messages if m["role"] == "system"], system_prompt)
-        for c in batch
-    ]
-    user_turns = [c.user_turns for c in batch]
-    finish: list[list[str]] = [[] for _ in batch]
-    active = [True] * len(batch)
-    for turn in range(max(len(turns) for turns in user_turns)):
-        # 2. the prompts of this turn; a conversation whose prompt grew too long stops here
-        rows, prompts = [], []
-        for i in range(len(batch)):
-            if not active[i] or turn >= len(user_turns[i]):
-                continue
-            prompt = histories[i] + [{"role": "user", "content": user_turns[i][turn]}]
-            if len(prompt_ids(tokenizer, prompt)) > cfg.max_prompt_length:
-                active[i] = False
-                report.stopped_long_prompt += 1
-                continue
-            rows.append(i)
-            prompts.append(prompt)
-        if not rows:
-            continue
-        # 3. answer them together and extend the histories
-        answers = generate_answers(model, tokenizer, prompts, cfg)
-        for i, prompt, (text, n_tokens, stopped) in zip(rows, prompts, answers, strict=True):
-            histories[i] = prompt + [{"role": "assistant", "content": text}]
-            finish[i].append("stop" if stopped else "length")
-            report.turns += 1
-            report.generated_tokens += n_tokens
-            report.hit_max_new_tokens += not stopped
-    return [
-        {
-            "id": c.id,
-            "messages": histories[i],
-            "meta": {"generated_by": target_name, "finish_reasons": finish[i]},
-        }
-        for i, c in enumerate(batch)
-        if finish[i]  # a conversation whose first prompt was too long yields nothing
-    ]
+def _show_rate(progress: tqdm, run: Regeneration, start: float, conversations: int) -> None:
+    progress.update(conversations)
+    elapsed = time.perf_counter() - start
+    progress.set_postfix(tok_s=f"{run.report.generated_tokens / max(elapsed, 1e-9):.0f}")
+
+
+def run_continuous(model, run: Regeneration, states, progress: tqdm, start: float) -> None:
+    """Every conversation's turns through one :class:`ContinuousBatcher` stream."""
+    cfg = run.cfg
+    settings = GenerationSettings(
+        max_new_tokens=cfg.max_new_tokens,
+        eos_ids=run.eos_ids,
+        pad_id=run.pad_id,
+        max_batch_size=cfg.batch_size,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+    )
+    pending: list[Request] = []
+
+    def ask_next(state: ConversationState) -> None:
+        ids = None if state.done else run.prompt(state)
+        if ids is None:
+            run.finish(state)
+            _show_rate(progress, run, start, 1)
+        else:
+            pending.append(Request(state, ids, seed=run.seed(state)))
+
+    for state in states:
+        ask_next(state)
+    for completion in ContinuousBatcher(model, settings).run(pending):
+        run.answered(completion.key, completion.tokens, completion.stopped)
+        ask_next(completion.key)
+
+
+def run_static(model, run: Regeneration, states, progress: tqdm, start: float) -> None:
+    """Fixed batches of ``batch_size`` conversations, turn by turn, with ``model.generate``."""
+    for index in range(0, len(states), run.cfg.batch_size):
+        batch = states[index : index + run.cfg.batch_size]
+        if run.cfg.temperature > 0:
+            torch.manual_seed(run.cfg.seed + index // run.cfg.batch_size)
+        while True:
+            asked = [(s, ids) for s in batch if not s.done and (ids := run.prompt(s)) is not None]
+            if not asked:
+                break
+            answers = generate_batch(model, [ids for _, ids in asked], run)
+            for (state, _), (tokens, stopped) in zip(asked, answers, strict=True):
+                run.answered(state, tokens, stopped)
+        for state in batch:
+            run.finish(state)
+        _show_rate(progress, run, start, len(batch))
+
+
+def run_server(model, run: Regeneration, states, progress: tqdm, start: float) -> None:
+    """``regenerate.concurrency`` conversations at a time through the server's chat API
+    (:mod:`specforge.data.server_client`); each finished one goes to the sidecar at once."""
+    cfg = run.cfg
+    client = ChatClient(
+        cfg.server_url,
+        model=cfg.server_model or run.target_name,
+        max_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        retries=cfg.retries,
+        backoff_s=cfg.retry_backoff_s,
+    )
+
+    def converse(state: ConversationState) -> ConversationState:
+        while not state.done and run.prompt(state) is not None:
+            seed = run.seed(state) if cfg.temperature > 0 else None
+            answer = client.answer(state.next_prompt(), seed=seed)
+            stopped = answer.finish_reason != "length"
+            run.answered_text(state, answer.text, stopped, answer.completion_tokens)
+        return state
+
+    pool = ThreadPoolExecutor(max_workers=cfg.concurrency)
+    try:
+        for future in as_completed([pool.submit(converse, state) for state in states]):
+            run.finish(future.result())
+            _show_rate(progress, run, start, 1)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@torch.no_grad()
+def generate_batch(
+    model, prompts: list[list[int]], run: Regeneration
+) -> list[tuple[list[int], bool]]:
+    """One left-padded ``model.generate`` call; ``(generated ids, stopped at end-of-turn)`` per
+    prompt, the ids cut after the first end-of-turn id."""
+    from transformers import GenerationConfig
+
+    cfg = run.cfg
+    batch = left_padded(prompts, run.pad_id)
+    sample = cfg.temperature > 0
+    generation_config = GenerationConfig(
+        max_new_tokens=cfg.max_new_tokens,
+        do_sample=sample,
+        temperature=cfg.temperature if sample else None,
+        top_p=cfg.top_p if sample else None,
+        top_k=None,
+        eos_token_id=run.eos_ids,
+        pad_token_id=run.pad_id,
+    )
+    output = model.generate(
+        input_ids=batch["input_ids"].to(model.device),
+        attention_mask=batch["attention_mask"].to(model.device),
+        generation_config=generation_config,
+    )
+    results = []
+    # (B, prompt + new) -> (B, new)
+    for row in output[:, batch["input_ids"].shape[1] :].cpu():
+        is_eos = torch.isin(row, torch.tensor(run.eos_ids))
+        stopped = bool(is_eos.any())
+        length = int(is_eos.int().argmax()) + 1 if stopped else len(row)
+        results.append((row[:length].tolist(), stopped))
+    return results

@@ -27,6 +27,10 @@ def source_prefixes(sources: list[str]) -> list[str]:
     ]
 
 
+BUILTIN = "builtin"
+"""The source name of the built-in prompt set (``data.builtin_split`` picks its split)."""
+
+
 def load_conversations(
     sources: Iterable[str],
     *,
@@ -35,7 +39,8 @@ def load_conversations(
     builtin_split: str = "train",
     limit: int | None = None,
 ) -> list[Conversation]:
-    """Read several sources in order (or the built-in prompts when there are none).
+    """Read several sources in order (or the built-in prompts when there are none; the source
+    name ``builtin`` lists them among others).
 
     Raises:
         UserError: a source listed twice, or an id that two sources share.
@@ -51,7 +56,10 @@ def load_conversations(
     origin: dict[str, str] = {}
     prefixes = source_prefixes(sources) if len(sources) > 1 else [""]
     for source, prefix in zip(sources, prefixes, strict=True):
-        found, _ = read_conversations(source, fmt=fmt, split=split)
+        if source == BUILTIN:
+            found = builtin_conversations(builtin_split)
+        else:
+            found, _ = read_conversations(source, fmt=fmt, split=split)
         for conversation in found:
             if prefix:
                 conversation = Conversation(f"{prefix}/{conversation.id}", conversation.messages)

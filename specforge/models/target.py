@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from specforge.config import TargetConfig, torch_dtype
+from specforge.distributed import check_device
 from specforge.errors import UserError
 from specforge.io import atomic_directory, require_local
 
@@ -244,11 +245,23 @@ def load_tokenizer(target: TargetConfig):
 
 
 def load_target_config(target: TargetConfig):
-    """The target's HF config, without loading its weights."""
+    """The target's HF config, without loading its weights.
+
+    Raises:
+        UserError: the checkpoint needs its own code and ``target.trust_remote_code`` is off.
+    """
     from transformers import AutoConfig
 
     path, kwargs = _pretrained(target)
-    return AutoConfig.from_pretrained(path, **kwargs)
+    try:
+        return AutoConfig.from_pretrained(path, **kwargs)
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise UserError(
+            f"target {target.name_or_path!r} ships its own model code; it runs only with your "
+            "own --trust-remote-code (target.trust_remote_code=true), if you trust it"
+        ) from None
 
 
 def load_generation_config(target: TargetConfig):
@@ -282,6 +295,7 @@ def load_target(
 
     dtype = dtype or target.dtype
     torch_dtype(dtype)  # an unknown name is a user error before any loading
+    check_device(str(device or target.device))
     path, kwargs = _pretrained(target, dtype)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype(dtype), attn_implementation="sdpa", **kwargs

@@ -71,6 +71,7 @@ def capture_header(cfg: SpecForgeConfig, fingerprint: dict, aux_layer_ids: list[
         "chat_template": cfg.data.chat_template,
         "system_prompt": cfg.data.system_prompt,
         "shard_size_mb": cfg.capture.shard_size_mb,
+        "target_dtype": cfg.target.dtype,
         "layout": (
             "input_ids int32 (N), loss_mask bool (N), offsets int64 (S+1), "
             "aux_hidden_states (N, 3H), last_hidden_state (M, H) at positions p with "

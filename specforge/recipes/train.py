@@ -15,7 +15,9 @@ log, eval, checkpoint), then :meth:`TrainingRun.close`, which releases what setu
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +32,15 @@ from specforge.data.batching import StepBatches, split_train_eval
 from specforge.data.chat import TokenizedSample, end_of_turn_ids
 from specforge.data.vocab import save_vocab_map, vocab_map_from_samples
 from specforge.distributed import Distributed, setup_distributed
+from specforge.errors import UserError
 from specforge.models.eagle3 import Eagle3Config, Eagle3DraftModel, build_draft_model
-from specforge.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from specforge.trainer.checkpoint import (
+    checkpoint_steps,
+    latest_sound_checkpoint,
+    load_checkpoint,
+    read_trainer_state,
+    save_checkpoint,
+)
 from specforge.trainer.metrics import MetricsLog, ttt_metrics
 from specforge.trainer.optim import build_optimizer, set_lr
 from specforge.trainer.sources import HiddenStateSource, hidden_state_source
@@ -69,6 +78,10 @@ class TrainingRun:
     eval_samples: list[TokenizedSample]
     log: MetricsLog
     start_step: int
+    identity: dict
+    """What a checkpoint must match to be resumed: the data digest, the draft geometry."""
+    nonfinite_steps: int = 0
+    """Steps skipped for a non-finite loss or gradient norm."""
 
     @property
     def unwrapped(self) -> TTTObjective:
@@ -119,11 +132,9 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     optimizer = build_optimizer(
         [p for p in draft.parameters() if p.requires_grad], tc, ranks.world_size
     )
-    start_step = 0
     out = Path(cfg.output_dir)
-    if tc.resume and (latest := latest_checkpoint(out / "checkpoints")) is not None:
-        start_step = load_checkpoint(latest, model=draft, optimizer=optimizer)["step"]
-        logger.info("resumed from %s (step %d)", latest, start_step)
+    run_identity = {"data_sha256": samples_sha256(train_samples), "draft": draft_config.to_dict()}
+    start_step = resume(cfg, draft, optimizer, run_identity)
     objective: nn.Module = TTTObjective(draft, tc.ttt_length, tc.step_weight)
     if ranks.world_size > 1:
         objective = nn.parallel.DistributedDataParallel(objective)
@@ -155,7 +166,53 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
         eval_samples=eval_samples,
         log=log,
         start_step=start_step,
+        identity=run_identity,
     )
+
+
+def samples_sha256(samples: list[TokenizedSample]) -> str:
+    """A digest of the training samples (ids, tokens and loss masks): a resumed run must train
+    on exactly the data its checkpoint was trained on."""
+    digest = hashlib.sha256()
+    for sample in samples:
+        digest.update(sample.id.encode() + b"\0")
+        digest.update(sample.input_ids.numpy().tobytes() + sample.loss_mask.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def resume(cfg: SpecForgeConfig, draft, optimizer, identity: dict) -> int:
+    """The step to start from: 0 for a fresh run, else the newest intact checkpoint's (its
+    weights, optimizer and RNG state loaded).
+
+    Raises:
+        UserError: a fresh run into a folder that holds checkpoints, no intact checkpoint to
+            resume, or a checkpoint of other data or another draft geometry.
+    """
+    folder = Path(cfg.output_dir) / "checkpoints"
+    for leftover in folder.glob(".step_*-*"):  # temp folders of a save that was killed
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+    steps = checkpoint_steps(folder)
+    if not steps:
+        return 0
+    if not cfg.train.resume:
+        raise UserError(
+            f"{folder} holds checkpoints of an earlier run (newest {steps[0][1].name}): pass "
+            "--resume (train.resume=true) to continue it, or choose a new output_dir"
+        )
+    checkpoint = latest_sound_checkpoint(folder)
+    if checkpoint is None:
+        raise UserError(f"{folder}: no checkpoint is intact, nothing to resume from")
+    saved = read_trainer_state(checkpoint).get("run", {})
+    for key, what in (("data_sha256", "the training data"), ("draft", "the draft geometry")):
+        if saved.get(key) != identity[key]:
+            raise UserError(
+                f"cannot resume {checkpoint}: {what} differs from the run that wrote it "
+                "(use a new output_dir for the new run)"
+            )
+    step = load_checkpoint(checkpoint, model=draft, optimizer=optimizer)["step"]
+    logger.info("resumed from %s (step %d)", checkpoint, step)
+    return step
 
 
 def evaluate(run: TrainingRun) -> dict[str, float]:
@@ -183,7 +240,11 @@ def save(run: TrainingRun, step: int) -> Path | None:
             model=run.draft,
             optimizer=run.optimizer,
             draft_config=run.draft_config.to_dict(),
-            state={"aux_layer_ids": run.source.aux_layer_ids, "config": to_dict(run.cfg)},
+            state={
+                "aux_layer_ids": run.source.aux_layer_ids,
+                "config": to_dict(run.cfg),
+                "run": run.identity,
+            },
         )
     run.ranks.barrier()
     return path
@@ -206,6 +267,29 @@ def accumulate(run: TrainingRun, micro_batches) -> tuple[list[TTTResult], int]:
         results.append(result)
         tokens += batch.num_tokens
     return results, tokens
+
+
+def check_finite(run: TrainingRun, step: int, results, grad_norm, micro_batches) -> bool:
+    """Whether the step's loss and gradient norm are finite. A non-finite step is skipped;
+    more than ``train.max_nonfinite_steps`` of them stop the run.
+
+    Raises:
+        UserError: naming the step and the samples of its batches.
+    """
+    finite = bool(torch.isfinite(grad_norm)) and all(bool(torch.isfinite(r.loss)) for r in results)
+    if finite:
+        return True
+    run.nonfinite_steps += 1
+    ids = [i for batch in micro_batches for i in batch.sample_ids]
+    logger.warning("step %d: non-finite loss or gradient norm (samples %s): skipped", step, ids)
+    if run.nonfinite_steps > run.cfg.train.max_nonfinite_steps:
+        raise UserError(
+            f"step {step}: the loss or gradient norm is not finite (samples {', '.join(ids)}); "
+            f"{run.nonfinite_steps} such steps, train.max_nonfinite_steps is "
+            f"{run.cfg.train.max_nonfinite_steps}. Check the data (and the capture: "
+            "`specforge capture --verify`) or lower train.lr"
+        )
+    return False
 
 
 def train(cfg: SpecForgeConfig, *, stop_after_step: int | None = None) -> TrainResult:
@@ -247,9 +331,10 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
         results, tokens = accumulate(run, micro_batches)
         window += results
         window_tokens += tokens
-        # 3. clip, 4. optimizer step
+        # 3. clip, 4. optimizer step (none after a non-finite loss or gradient)
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, tc.max_grad_norm)
-        run.optimizer.step()
+        if check_finite(run, step, results, grad_norm, micro_batches):
+            run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
         done = step + 1
         # 5. log

@@ -16,23 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specforge.errors import UserError
 from specforge.serving.tree import DraftTree
-
-
-def warp_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """Probabilities (float32) after temperature and nucleus (top-p) filtering, per row."""
-    if temperature <= 0:
-        raise UserError(f"sampling needs temperature > 0, got {temperature}")
-    probs = (logits.float() / temperature).softmax(-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always kept)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specforge.data.generation import warp_probs
 from specforge.errors import UserError
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
 from specforge.models.target import target_hidden_states
@@ -34,7 +35,6 @@ from specforge.serving.sampling import (
     accept_chain_sampling,
     accept_tree_sampling,
     sample,
-    warp_probs,
 )
 from specforge.serving.tree import accept_greedy, build_tree, verification_inputs
 

@@ -12,21 +12,25 @@ always complete. Contents:
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specforge.errors import UserError
-from specforge.io import atomic_directory, write_json_atomic
+from specforge.io import atomic_directory, file_sha256, write_json_atomic
 from specforge.models.eagle3 import (
     FROZEN_WEIGHTS,
     Eagle3Config,
     Eagle3DraftModel,
     load_draft_weights,
 )
+
+logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -49,23 +53,59 @@ def save_checkpoint(
     draft_config: dict[str, Any],
     state: dict[str, Any],
 ) -> Path:
-    """Write ``folder/step_<step>`` atomically and return it."""
+    """Write ``folder/step_<step>`` atomically and return it. ``trainer_state.json`` records
+    the sha256 of every other file, checked before a resume reads them."""
     final = folder / f"step_{step}"
     with atomic_directory(final) as tmp:
         save_file(draft_state(model), str(tmp / "draft.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
         write_json_atomic(tmp / "draft_config.json", draft_config)
-        write_json_atomic(tmp / "trainer_state.json", {"step": step, **state})
+        checksums = {p.name: file_sha256(p) for p in sorted(tmp.iterdir())}
+        write_json_atomic(tmp / "trainer_state.json", {"step": step, **state, "sha256": checksums})
     return final
 
 
-def latest_checkpoint(folder: Path) -> Path | None:
-    """The complete checkpoint with the highest step in ``folder`` (temp folders ignored)."""
+def checkpoint_steps(folder: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``step_N`` in ``folder``, newest first (temp folders and
+    anything else ignored)."""
     if not folder.is_dir():
-        return None
+        return []
     steps = [(int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_DIR.match(p.name))]
-    return max(steps)[1] if steps else None
+    return sorted(steps, reverse=True)
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint with the highest step in ``folder`` (temp folders ignored)."""
+    steps = checkpoint_steps(folder)
+    return steps[0][1] if steps else None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from (missing files, a checksum that differs from
+    the one recorded at save time), or ``None``."""
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError) as err:
+        return f"trainer_state.json is unreadable ({err})"
+    for name, digest in state.get("sha256", {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file_sha256(file) != digest:
+            return f"{name} is corrupted or truncated (sha256 differs from the one saved)"
+    return None
+
+
+def latest_sound_checkpoint(folder: Path) -> Path | None:
+    """The newest checkpoint whose files are intact; broken newer ones are skipped with a
+    warning naming the problem (a kill or a disk fault)."""
+    for _, path in checkpoint_steps(folder):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        logger.warning("%s cannot be resumed from: %s; trying the previous one", path, problem)
+    return None
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -87,13 +127,29 @@ def load_draft(path: Path) -> Eagle3DraftModel:
     config_path = path / "draft_config.json"
     config = Eagle3Config.from_dict(json.loads(config_path.read_text()), str(config_path))
     model = Eagle3DraftModel(config)
-    load_draft_weights(model, load_file(str(path / "draft.safetensors")), str(path))
+    load_draft_weights(model, read_weights(path / "draft.safetensors"), str(path))
     return model
 
 
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors.
+
+    Raises:
+        UserError: a truncated or damaged file, named.
+    """
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise UserError(f"{path} cannot be read ({err}): truncated or damaged") from None
+
+
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer=None) -> dict[str, Any]:
-    """Load weights (and optimizer/RNG state) from ``path``; returns the trainer state."""
-    load_draft_weights(model, load_file(str(path / "draft.safetensors")), str(path))
+    """Load weights (and optimizer/RNG state) from ``path``; returns the trainer state.
+
+    Raises:
+        UserError: damaged files or weights that do not fit, naming the checkpoint.
+    """
+    load_draft_weights(model, read_weights(path / "draft.safetensors"), str(path))
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         rng = torch.load(path / "rng.pt", weights_only=True)

@@ -98,7 +98,7 @@ def load_training_samples(cfg: SpecForgeConfig, tokenizer):
     """
     path = require_prepared(cfg.training_data_path)
     records = read_jsonl(path)
-    conversations = [Conversation(r["id"], r["messages"]) for r in records]
+    conversations = [Conversation.from_record(r) for r in records]
     samples, stats = tokenize_conversations(
         tokenizer,
         conversations,

@@ -9,7 +9,7 @@ import pytest
 
 from specforge.config import RegenerateConfig
 from specforge.data.conversations import Conversation
-from specforge.data.regenerate import generate_answers, partial_path, regenerate_conversations
+from specforge.data.regenerate import partial_path, regenerate_conversations
 
 CONVERSATIONS = [
     Conversation("one", [{"role": "user", "content": "the cat"}]),
@@ -47,8 +47,9 @@ def test_every_user_turn_is_answered_by_the_target(tmp_path, tiny_target):
     assert "OLD ANSWER" not in json.dumps(records)
     assert len(records[1]["meta"]["finish_reasons"]) == 2
     # Turn 2 was generated after the target's own first answer.
-    ((first_answer, _, _),) = generate_answers(model, tokenizer, [two[:2]], CFG)
-    assert two[2]["content"] == first_answer
+    alone = tmp_path / "alone.jsonl"
+    regenerate_conversations(model, tokenizer, [Conversation("two", two[:2])], alone, CFG)
+    assert two[2]["content"] == read(alone)[0]["messages"][2]["content"]
 
 
 def test_batched_left_padding_matches_one_at_a_time(tmp_path, tiny_target):

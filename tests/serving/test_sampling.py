@@ -4,9 +4,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specforge.data.generation import warp_probs
 from specforge.data.vocab import build_vocab_map
 from specforge.models.eagle3 import Eagle3Config, build_draft_model
-from specforge.serving.sampling import accept_chain_sampling, accept_tree_sampling, warp_probs
+from specforge.serving.sampling import accept_chain_sampling, accept_tree_sampling
 from specforge.serving.speculative import SpeculativeDecoder
 from specforge.serving.tree import DraftTree
 from tests.helpers import make_tiny_llama

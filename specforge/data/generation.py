@@ -1,0 +1,297 @@
+"""Continuous batching for self-distillation: many prompts answered by the target at once, with
+rows leaving the batch when they finish and waiting prompts joining in their place.
+
+Why not ``model.generate`` on fixed batches: a fixed batch runs until its longest answer ends,
+so finished rows keep costing compute, and an HF ``DynamicCache`` copies the whole cache at
+every step (``torch.cat``). Here:
+
+1. **join**: waiting prompts (longest first, so lengths in a batch stay close) are prefilled
+   together, left-padded, and their keys/values merged into the running cache;
+2. **step**: one forward over the last token of every row (explicit positions, a padding mask);
+3. **leave**: a row that emitted an end-of-turn id or reached ``max_new_tokens`` is done. Its
+   slot is reclaimed when enough rows are done (or new prompts wait), in one compaction that
+   also drops the columns only padding fills.
+
+Keys/values live in :class:`GrowingKVLayer` buffers with spare columns: a step writes in place
+instead of re-allocating the cache. Greedy rows take the argmax; sampled rows draw from the
+temperature / top-p warped distribution with a generator of their own (seeded per request), so
+a request's answer does not depend on which other requests share its batch. The generated token
+ids are returned as the target produced them.
+
+Works for decoder-only HF models whose cache is a per-layer ``keys``/``values`` pair (the
+Llama family and most others); recurrent or sliding-window caches need the ``static`` backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from specforge.data.chat import left_padded
+
+
+def warp_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """Probabilities (float32) after temperature and nucleus (top-p) filtering, per row."""
+    if temperature <= 0:
+        raise ValueError(f"sampling needs temperature > 0, got {temperature}")
+    probs = (logits.float() / temperature).softmax(-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always kept)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+class GrowingKVLayer(DynamicLayer):
+    """A cache layer whose keys/values sit in buffers with spare columns: appending writes in
+    place (``keys``/``values`` are views), and the buffers grow by :attr:`SPARE` columns."""
+
+    SPARE = 128
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.length = 0
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        if self.key_buffer is None or self.length + new > self.key_buffer.shape[-2]:
+            self._grow(key_states, value_states, self.length + new + self.SPARE)
+        end = self.length + new
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys = self.key_buffer[:, :, :end]
+        self.values = self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        # (B, H, S, D) buffers with S = capacity; earlier columns copied once
+        batch, heads, _, dim = key_states.shape
+        keys = key_states.new_empty(batch, heads, capacity, dim)
+        values = value_states.new_empty(batch, value_states.shape[1], capacity, dim)
+        if self.length:
+            keys[:, :, : self.length] = self.key_buffer[:, :, : self.length]
+            values[:, :, : self.length] = self.value_buffer[:, :, : self.length]
+        self.key_buffer, self.value_buffer = keys, values
+
+    def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Start over from ``keys``/``values`` (B, H, S, D) (after a compaction or a join)."""
+        self.key_buffer = self.value_buffer = None
+        self.length = 0
+        self.update(keys, values)
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+
+def growing_cache() -> Cache:
+    """An HF cache made of :class:`GrowingKVLayer` layers."""
+    return Cache(layer_class_to_replicate=GrowingKVLayer)
+
+
+def _pad_left(tensor: torch.Tensor, columns: int, dim: int) -> torch.Tensor:
+    if columns == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = columns
+    return torch.cat([tensor.new_zeros(shape), tensor], dim)
+
+
+@dataclass
+class Request:
+    """One prompt to answer."""
+
+    key: Any
+    """The caller's handle, returned with the answer."""
+    prompt: list[int]
+    """Token ids, ending with the generation prompt."""
+    seed: int = 0
+    """Seed of this request's sampling generator (unused when greedy)."""
+
+
+@dataclass
+class Completion:
+    """One answer, as the target produced it."""
+
+    key: Any
+    tokens: list[int]
+    """Generated ids; the end-of-turn id included when ``stopped``."""
+    stopped: bool
+    """Ended with an end-of-turn id (else it reached ``max_new_tokens``)."""
+
+
+@dataclass
+class GenerationSettings:
+    max_new_tokens: int
+    eos_ids: list[int]
+    pad_id: int
+    max_batch_size: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    reclaim_fraction: float = 0.25
+    """Finished rows stay (ignored) until this share of the batch is finished or prompts wait
+    for a slot; then one compaction reclaims them."""
+
+
+@dataclass
+class _Batch:
+    """The running rows: their requests, tokens so far, and the model state."""
+
+    requests: list[Request] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    finished: list[bool] = field(default_factory=list)
+    generators: list[torch.Generator | None] = field(default_factory=list)
+    cache: Cache | None = None
+    mask: torch.Tensor | None = None
+    """(B, S) 1 on real tokens, 0 on left padding."""
+    positions: torch.Tensor | None = None
+    """(B,) the position of each row's next token."""
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class ContinuousBatcher:
+    """Answers a stream of requests with continuous batching (see the module docstring)."""
+
+    def __init__(self, model, settings: GenerationSettings):
+        self.model = model
+        self.settings = settings
+        self.device = next(model.parameters()).device
+        self.steps = 0
+        """Decode forwards run (for throughput reports)."""
+
+    @torch.no_grad()
+    def run(self, pending: list[Request]) -> Iterator[Completion]:
+        """Yield completions as rows finish. ``pending`` is read as it changes: the caller may
+        append follow-up requests (say, a conversation's next turn) after any completion."""
+        batch = _Batch()
+        while pending or len(batch):
+            live = len(batch) - sum(batch.finished)
+            free = self.settings.max_batch_size - live
+            if pending and free > 0 and (free >= self._join_size() or live == 0):
+                self._compact(batch)
+                pending.sort(key=lambda r: len(r.prompt))
+                joining = [pending.pop() for _ in range(min(free, len(pending)))]
+                self._join(batch, joining)
+            elif live == 0:
+                break
+            else:
+                self._step(batch)
+            yield from self._collect(batch)
+            if sum(batch.finished) >= max(1, self.settings.reclaim_fraction * len(batch)):
+                self._compact(batch)
+
+    def _join_size(self) -> int:
+        return max(1, int(self.settings.reclaim_fraction * self.settings.max_batch_size))
+
+    def _next_tokens(self, logits: torch.Tensor, generators) -> torch.Tensor:
+        """(B, V) last-position logits -> (B,) next ids (greedy, or each row's own sample)."""
+        if self.settings.temperature <= 0:
+            return logits.argmax(-1)
+        probs = warp_probs(logits, self.settings.temperature, self.settings.top_p)
+        drawn = [
+            torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)
+        ]
+        return torch.cat(drawn)
+
+    def _join(self, batch: _Batch, joining: list[Request]) -> None:
+        """Prefill ``joining`` and merge its cache into the batch's (both left-padded to one
+        width)."""
+        inputs = left_padded([r.prompt for r in joining], self.settings.pad_id)
+        mask = inputs["attention_mask"].to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = growing_cache()
+        out = self.model(
+            input_ids=inputs["input_ids"].to(self.device),
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        generators = [self._generator(r) for r in joining]
+        first = self._next_tokens(out.logits[:, -1], generators).tolist()
+        batch.requests += joining
+        batch.tokens += [[t] for t in first]
+        batch.finished += [False] * len(joining)
+        batch.generators += generators
+        if batch.cache is None:
+            batch.cache, batch.mask, batch.positions = cache, mask, mask.sum(-1)
+            return
+        width = max(batch.mask.shape[1], mask.shape[1])
+        old_pad, new_pad = width - batch.mask.shape[1], width - mask.shape[1]
+        for old, new in zip(batch.cache.layers, cache.layers, strict=True):
+            # (B_old, H, S_old, D) + (B_new, H, S_new, D) -> (B_old + B_new, H, width, D)
+            keys = torch.cat([_pad_left(old.keys, old_pad, 2), _pad_left(new.keys, new_pad, 2)])
+            values = torch.cat(
+                [_pad_left(old.values, old_pad, 2), _pad_left(new.values, new_pad, 2)]
+            )
+            old.replace(keys, values)
+        batch.mask = torch.cat([_pad_left(batch.mask, old_pad, 1), _pad_left(mask, new_pad, 1)])
+        batch.positions = torch.cat([batch.positions, mask.sum(-1)])
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        if self.settings.temperature <= 0:
+            return None
+        return torch.Generator(device=self.device).manual_seed(request.seed)
+
+    def _step(self, batch: _Batch) -> None:
+        """One decode forward over every row's last token."""
+        last = torch.tensor([t[-1] for t in batch.tokens], device=self.device)
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], 1)
+        out = self.model(
+            input_ids=last[:, None],
+            attention_mask=batch.mask,
+            position_ids=batch.positions[:, None],
+            past_key_values=batch.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.steps += 1
+        batch.positions = batch.positions + 1
+        for row, token in enumerate(
+            self._next_tokens(out.logits[:, -1], batch.generators).tolist()
+        ):
+            if not batch.finished[row]:
+                batch.tokens[row].append(token)
+
+    def _collect(self, batch: _Batch) -> Iterator[Completion]:
+        """Mark rows that just ended and yield their completions."""
+        eos = set(self.settings.eos_ids)
+        for row, tokens in enumerate(batch.tokens):
+            if batch.finished[row]:
+                continue
+            stopped = tokens[-1] in eos
+            if stopped or len(tokens) >= self.settings.max_new_tokens:
+                batch.finished[row] = True
+                yield Completion(batch.requests[row].key, tokens, stopped)
+
+    def _compact(self, batch: _Batch) -> None:
+        """Drop finished rows, and the leading columns that are padding in every row left."""
+        if not any(batch.finished):
+            return
+        keep = [row for row, done in enumerate(batch.finished) if not done]
+        for name in ("requests", "tokens", "generators"):
+            setattr(batch, name, [getattr(batch, name)[row] for row in keep])
+        batch.finished = [False] * len(keep)
+        if not keep:
+            batch.cache = batch.mask = batch.positions = None
+            return
+        index = torch.tensor(keep, device=self.device)
+        mask = batch.mask[index]
+        start = int(mask.any(0).nonzero()[0])
+        for layer in batch.cache.layers:
+            layer.replace(layer.keys[index, :, start:], layer.values[index, :, start:])
+        batch.mask, batch.positions = mask[:, start:], batch.positions[index]

@@ -1,0 +1,157 @@
+"""Continuous batching gives what the target gives one prompt at a time (fp32, greedy), while
+rows join and leave the batch; sampled answers do not depend on their batch."""
+
+import torch
+
+from specforge.config import RegenerateConfig
+from specforge.data.conversations import Conversation
+from specforge.data.generation import ContinuousBatcher, GenerationSettings, Request
+from specforge.data.regenerate import regenerate_conversations
+from specforge.io import read_jsonl
+
+PROMPTS = [[5, 9, 2], [7] * 11, [3, 1, 4, 1, 5, 9, 2, 6], [8, 8], [1] * 20, [4, 4, 4, 4, 4], [6]]
+
+
+def one_at_a_time(model, prompt, max_new_tokens, eos):
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_continuous_batching_equals_one_prompt_at_a_time(tiny_target):
+    model, tokenizer = tiny_target
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), 33]  # 33 also ends (so rows end early)
+    settings = GenerationSettings(max_new_tokens=12, eos_ids=eos, pad_id=0, max_batch_size=3)
+    batcher = ContinuousBatcher(model, settings)
+    pending = [Request(i, p) for i, p in enumerate(PROMPTS)]
+    answers = {c.key: (c.tokens, c.stopped) for c in batcher.run(pending)}
+    assert sorted(answers) == list(range(len(PROMPTS)))
+    for i, prompt in enumerate(PROMPTS):
+        reference = one_at_a_time(model, prompt, 12, eos)
+        tokens, stopped = answers[i]
+        if stopped:
+            reference = reference[: reference.index(tokens[-1]) + 1]
+        assert tokens == reference, i
+        assert stopped == (tokens[-1] in eos)
+
+
+def test_follow_up_requests_join_the_running_batch(tiny_target):
+    model, _ = tiny_target
+    settings = GenerationSettings(max_new_tokens=6, eos_ids=[], pad_id=0, max_batch_size=2)
+    first_prompts = {0: [5, 9, 2], 1: [7, 7]}
+    pending = [Request(("first", i), p) for i, p in first_prompts.items()]
+    asked, seen = {}, []
+    for completion in ContinuousBatcher(model, settings).run(pending):
+        turn, i = completion.key
+        seen.append(completion.key)
+        if turn == "first":  # a second turn built on the answer joins the running batch
+            asked[i] = first_prompts[i] + completion.tokens
+            assert completion.tokens == one_at_a_time(model, first_prompts[i], 6, [])
+            pending.append(Request(("second", i), asked[i]))
+        else:
+            assert completion.tokens == one_at_a_time(model, asked[i], 6, [])
+    assert sorted(seen) == [("first", 0), ("first", 1), ("second", 0), ("second", 1)]
+
+
+CONVERSATIONS = [
+    Conversation(f"c{i}", [{"role": "user", "content": text} for text in turns])
+    for i, turns in enumerate(
+        [["the cat"], ["hello there", "and then"], ["a much longer question in the end"], ["x"]]
+        + [["thin"], ["in the thin end", "more"], ["he"]]
+    )
+]
+
+
+def test_continuous_backend_writes_what_the_static_backend_writes(tmp_path, tiny_target):
+    model, tokenizer = tiny_target
+    outputs = {}
+    for backend, batch_size in (("static", 4), ("continuous", 3), ("continuous", 16)):
+        cfg = RegenerateConfig(
+            enabled=True, backend=backend, max_new_tokens=10, batch_size=batch_size
+        )
+        out = tmp_path / f"{backend}-{batch_size}.jsonl"
+        report = regenerate_conversations(model, tokenizer, CONVERSATIONS, out, cfg)
+        outputs[(backend, batch_size)] = read_jsonl(out)
+        assert report.turns == 9 and report.written == 7
+    reference = outputs[("static", 4)]
+    assert [r["id"] for r in reference] == [c.id for c in CONVERSATIONS]  # input order
+    for records in outputs.values():
+        assert records == reference
+
+
+def test_generated_ids_are_recorded_as_the_target_produced_them(tmp_path, tiny_target):
+    model, tokenizer = tiny_target
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=10, batch_size=4)
+    out = tmp_path / "out.jsonl"
+    report = regenerate_conversations(model, tokenizer, CONVERSATIONS, out, cfg)
+    mismatches = 0
+    for record in read_jsonl(out):
+        answers = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+        meta = record["meta"]
+        assert len(meta["token_ids"]) == len(answers) == len(meta["finish_reasons"])
+        for ids, text, reason in zip(
+            meta["token_ids"], answers, meta["finish_reasons"], strict=True
+        ):
+            content = ids[:-1] if reason == "stop" else ids
+            assert tokenizer.decode(content, skip_special_tokens=True).strip() == text
+            mismatches += tokenizer(text, add_special_tokens=False)["input_ids"] != content
+    assert report.reencode_mismatch_turns == mismatches
+    assert report.generated_tokens == sum(
+        len(ids) for r in read_jsonl(out) for ids in r["meta"]["token_ids"]
+    )
+
+
+def test_sampled_answers_do_not_depend_on_the_batch(tmp_path, tiny_target):
+    model, tokenizer = tiny_target
+    runs = []
+    for batch_size in (1, 3):
+        cfg = RegenerateConfig(
+            enabled=True, max_new_tokens=10, batch_size=batch_size, temperature=1.0, seed=7
+        )
+        out = tmp_path / f"sampled-{batch_size}.jsonl"
+        regenerate_conversations(model, tokenizer, CONVERSATIONS, out, cfg)
+        runs.append(read_jsonl(out))
+    assert runs[0] == runs[1]
+    greedy = tmp_path / "greedy.jsonl"
+    regenerate_conversations(
+        model, tokenizer, CONVERSATIONS, greedy, RegenerateConfig(enabled=True, max_new_tokens=10)
+    )
+    assert read_jsonl(greedy) != runs[0]
+
+
+def test_training_tokens_are_the_recorded_ids(tmp_path, tiny_target):
+    """A self-distilled record tokenizes to the prompt as serving renders it followed by the ids
+    the target generated, with the loss mask on exactly those (plus the end marker)."""
+    from specforge.data.chat import prompt_ids, tokenize_conversations
+
+    model, tokenizer = tiny_target
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=10, batch_size=4)
+    out = tmp_path / "out.jsonl"
+    regenerate_conversations(model, tokenizer, CONVERSATIONS, out, cfg)
+    records = read_jsonl(out)
+    conversations = [Conversation.from_record(r) for r in records]
+    samples, stats = tokenize_conversations(tokenizer, conversations, max_length=4096)
+    assert stats.recorded_ids == len(samples) == len(records)
+    end_marker = tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]
+    for record, sample in zip(records, samples, strict=True):
+        first = record["messages"][:1]
+        generated = record["meta"]["token_ids"][0]
+        if record["meta"]["finish_reasons"][0] == "length":
+            generated = generated + end_marker
+        prompt = prompt_ids(tokenizer, first)
+        ids = sample.input_ids.tolist()
+        assert ids[: len(prompt) + len(generated)] == prompt + generated
+        assert not sample.loss_mask[: len(prompt)].any()
+        assert sample.loss_mask[len(prompt) : len(prompt) + len(generated)].all()
+    # without the recorded ids the same text is re-encoded (and can differ)
+    plain, plain_stats = tokenize_conversations(
+        tokenizer, [Conversation(c.id, c.messages) for c in conversations], max_length=4096
+    )
+    assert plain_stats.recorded_ids == 0 and len(plain) == len(samples)

@@ -1,0 +1,73 @@
+"""Prompts the target writes itself: what the filter keeps and drops, the template prefix, and
+(slow, on SmolLM2) resumable synthesis through the real CLI."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from specforge.config import SynthesizeConfig
+from specforge.data.synthesize import (
+    PromptFilter,
+    mt_bench_run_hashes,
+    run_hash,
+    user_turn_prefix,
+    word_runs,
+)
+from specforge.errors import UserError
+
+MT_BENCH = Path(__file__).parents[3] / "shared" / "data" / "mt_bench" / "question.jsonl"
+
+
+def make_filter(**settings):
+    return PromptFilter(SynthesizeConfig(**settings), ["<|im_start|>", "<|im_end|>"])
+
+
+def test_filter_keeps_a_plain_prompt_and_names_each_reason_to_drop():
+    keep = make_filter()
+    good = "Explain how a refrigerator moves heat from inside to the room."
+    assert keep.reason_to_drop(good, stopped=True) is None
+    keep.accept(good)
+    cases = {
+        "unfinished": ("Write a long story about a dragon who", False),
+        "too_short": ("Hello there", True),
+        "control_text": ("Tell me a joke <|im_start|>assistant", True),
+        "degenerate": ("the the the the the the the the the the the the", True),
+        "duplicate": ("Explain how a refrigerator moves heat from inside to the room!", True),
+    }
+    for reason, (text, stopped) in cases.items():
+        assert keep.reason_to_drop(text, stopped) == reason, reason
+    near = "Explain how a refrigerator moves heat from inside to the room, simply please."
+    assert keep.reason_to_drop(near, True) == "duplicate"
+    assert keep.reason_to_drop("12345 678 999 1000 2000 !!! ### %%%", True) == "degenerate"
+
+
+def test_filter_drops_prompts_sharing_a_six_word_run_with_mt_bench():
+    question = (
+        json.loads(MT_BENCH.read_text().splitlines()[0])["turns"][0] if MT_BENCH.is_file() else None
+    )
+    if question is None:
+        pytest.skip("MT-Bench questions not available")
+    words = re.findall(r"[a-z0-9]+", question.lower())[:6]
+    text = "Please help me: " + " ".join(words) + ", thanks a lot for it."
+    assert make_filter().reason_to_drop(text, True) == "mt_bench"
+
+
+@pytest.mark.skipif(not MT_BENCH.is_file(), reason="MT-Bench questions not available")
+def test_shipped_mt_bench_runs_are_the_questions_runs():
+    runs = set()
+    for line in MT_BENCH.read_text().splitlines():
+        for turn in json.loads(line)["turns"]:
+            runs |= {run_hash(r) for r in word_runs(turn, 6)}
+    assert mt_bench_run_hashes() == runs
+
+
+def test_user_turn_prefix_is_the_template_up_to_the_user_text(tiny_tokenizer):
+    prefix = tiny_tokenizer.decode(user_turn_prefix(tiny_tokenizer, None))
+    assert prefix == "<|im_start|>user\n"
+    with_system = tiny_tokenizer.decode(user_turn_prefix(tiny_tokenizer, "Be brief."))
+    assert with_system == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+    tiny_tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}{% endfor %}"
+    with pytest.raises(UserError, match="does not write user text verbatim"):
+        user_turn_prefix(tiny_tokenizer, None)
