@@ -147,7 +147,10 @@ class RegenerateConfig:
     top_p: float = 1.0
     """Nucleus sampling threshold when sampling."""
     seed: int = 0
-    """Seed for sampling (each batch reseeds with ``seed + batch index``)."""
+    """Seed for sampling: each answer draws from ``(seed, conversation id, turn)``."""
+    num_samples: int = 1
+    """Answers per conversation (needs ``temperature`` > 0); each is its own record, id
+    ``<id>#s<k>``."""
     max_prompt_length: int = 1536
     """A conversation whose prompt grows past this many tokens stops at that turn."""
 
@@ -171,6 +174,12 @@ class RegenerateConfig:
             raise ConfigError("regenerate.backend server needs regenerate.server_url")
         if self.temperature < 0:
             raise ConfigError(f"regenerate.temperature must be >= 0, got {self.temperature}")
+        if self.num_samples < 1 or (self.num_samples > 1 and self.temperature <= 0):
+            raise ConfigError(
+                f"regenerate.num_samples must be >= 1, and > 1 only with temperature > 0 (greedy "
+                f"answers would be identical), got {self.num_samples} at temperature "
+                f"{self.temperature}"
+            )
         if self.max_prompt_length < 1:
             raise ConfigError(
                 f"regenerate.max_prompt_length must be >= 1, got {self.max_prompt_length}"

@@ -100,3 +100,11 @@ def test_regenerating_two_same_named_files_keeps_both(tmp_path, tiny_target_dir)
     assert main(args) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["messages"][0]["content"] for r in records] == ["one", "two", "three", "four"]
+
+
+def test_builtin_ids_do_not_change_when_a_source_is_added(tmp_path):
+    extra = tmp_path / "extra.jsonl"
+    write_jsonl(extra, [chat("one", "1")])
+    alone = [c.id for c in load_conversations(["builtin"])]
+    together = [c.id for c in load_conversations(["builtin", str(extra)])]
+    assert together[: len(alone)] == alone and together[-1] == "extra/extra-0"

@@ -386,3 +386,41 @@ def test_auto_questions_fall_back_at_once_offline(monkeypatch, caplog):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert resolve_question_set(AUTO) == BUILTIN_EVAL
     assert "held-out built-in prompts" in caplog.text
+
+
+def test_prepare_and_training_write_the_same_vocab_map(tmp_path, tiny_target_dir):
+    data = tmp_path / "data.jsonl"
+    rows = [
+        {
+            "id": f"c{i}",
+            "messages": [
+                {"role": "user", "content": f"q {i}"},
+                {"role": "assistant", "content": "the thin end " * (i + 1)},
+            ],
+        }
+        for i in range(10)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    prepared = tmp_path / "prepared.jsonl"
+    args = [f"target.name_or_path={tiny_target_dir}", "vocab.draft_vocab_size=40"]
+    args += ["train.eval_fraction=0.2", f"output_dir={out}", f"prepare.output={prepared}"]
+    assert (
+        main(
+            [
+                "prepare",
+                "--data",
+                str(data),
+                "--vocab-output",
+                str(tmp_path / "v.safetensors"),
+                *args,
+            ]
+        )
+        == 0
+    )
+    train(
+        load_config(
+            None, [*args, "train.max_steps=1", "target.dtype=float32", "train.dtype=float32"]
+        )
+    )
+    assert (tmp_path / "v.safetensors").read_bytes() == (out / "vocab_map.safetensors").read_bytes()

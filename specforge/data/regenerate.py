@@ -28,7 +28,8 @@ Resumable and never half-written:
    followed by the new ones in input order, and the sidecar is removed.
 
 Sampled runs seed every answer from ``(regenerate.seed, conversation id, turn)``, so an answer
-does not depend on batching or on where a run was interrupted.
+does not depend on batching or on where a run was interrupted. ``regenerate.num_samples`` > 1
+answers each conversation that many times, as records ``<id>#s0``, ``<id>#s1``, ...
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class RegenerateReport:
     control token; see :func:`specforge.data.chat.control_text_in`)."""
     reencode_mismatch_turns: int = 0
     """Answers whose text, tokenized again, is not the ids the target generated."""
+    decode_steps: int = 0
+    """Continuous backend: decode forwards run (generated tokens / steps = rows per step)."""
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -91,6 +94,7 @@ class RegenerateReport:
             "stopped_long_prompt": self.stopped_long_prompt,
             "skipped_control_text": self.skipped_control_text,
             "reencode_mismatch_turns": self.reencode_mismatch_turns,
+            "decode_steps": self.decode_steps,
             "seconds": round(self.seconds, 1),
             "tokens_per_s": round(self.generated_tokens / max(self.seconds, 1e-9), 1),
         }
@@ -211,6 +215,12 @@ def regenerate_conversations(
     """
     output = Path(output)
     sidecar = partial_path(output)
+    if cfg.num_samples > 1:  # one record per answer, each with its own seed
+        conversations = [
+            Conversation(f"{c.id}#s{k}", c.messages)
+            for c in conversations
+            for k in range(cfg.num_samples)
+        ]
     old_records = read_jsonl(output)
     earlier = read_jsonl(sidecar, repair=True)
     done = {r["id"] for r in old_records} | {r["id"] for r in earlier}
@@ -287,9 +297,11 @@ def run_continuous(model, run: Regeneration, states, progress: tqdm, start: floa
 
     for state in states:
         ask_next(state)
-    for completion in ContinuousBatcher(model, settings).run(pending):
+    batcher = ContinuousBatcher(model, settings)
+    for completion in batcher.run(pending):
         run.answered(completion.key, completion.tokens, completion.stopped)
         ask_next(completion.key)
+    run.report.decode_steps = batcher.steps
 
 
 def run_static(model, run: Regeneration, states, progress: tqdm, start: float) -> None:

@@ -4,8 +4,10 @@ datasets, HF dataset names) in order, or the built-in prompt set when there are 
 Every conversation id is unique across all inputs, because later stages key on it (regeneration
 resumes by id, a capture stores hidden states by id, training splits train / eval by id). With
 several sources each id is prefixed with its source's name: the file stem, or the whole source
-as given when two sources share a stem (``a/train.jsonl`` and ``b/train.jsonl``). An id that
-still repeats across sources is refused, naming both.
+as given when two sources share a stem (``a/train.jsonl`` and ``b/train.jsonl``); the built-in
+set (source ``builtin``) keeps its ids, which are already its own (``builtin-...``), so adding a
+source to it later does not rename what was answered. An id that still repeats across sources
+is refused, naming both.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def load_conversations(
     origin: dict[str, str] = {}
     prefixes = source_prefixes(sources) if len(sources) > 1 else [""]
     for source, prefix in zip(sources, prefixes, strict=True):
+        if source == BUILTIN:  # its ids ("builtin-...") are its own namespace: kept as they are
+            prefix = ""
         if source == BUILTIN:
             found = builtin_conversations(builtin_split)
         else:

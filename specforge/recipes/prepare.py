@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge.config import SpecForgeConfig, to_dict
+from specforge.data.batching import split_train_eval
 from specforge.data.chat import end_of_turn_ids, set_chat_template, tokenize_conversations
 from specforge.data.conversations import Conversation
 from specforge.data.regenerate import partial_path, regenerate_conversations
@@ -134,8 +135,11 @@ def _self_distill(cfg: SpecForgeConfig, conversations, result: PrepareResult):
 
 
 def _write_vocab_map(cfg: SpecForgeConfig, tokenizer, samples) -> dict:
+    """The draft vocabulary training will build: counted over the same train split
+    (``train.eval_fraction``), so the two maps are the same map."""
+    train_samples, _ = split_train_eval(samples, cfg.train.eval_fraction)
     vocab_map, counts = vocab_map_from_samples(
-        samples,
+        train_samples,
         vocab_size=load_target_config(cfg.target).vocab_size,
         draft_vocab_size=cfg.vocab.draft_vocab_size,
         end_of_turn=end_of_turn_ids(tokenizer, load_generation_config(cfg.target)),

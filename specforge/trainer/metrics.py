@@ -75,7 +75,8 @@ class MetricsLog:
         """Drop records a (re)started run at ``step`` will write again: those past the
         checkpoint's step, and at step 0 everything (the step-0 evaluation reruns)."""
         if self.enabled and self.path.exists():
-            kept = [r for r in read_jsonl(self.path, repair=True) if 0 < r["step"] <= step]
+            records = read_jsonl(self.path, repair=True)
+            kept = [r for r in records if r["step"] <= step] if step > 0 else []
             write_jsonl_atomic(self.path, kept)
 
     def log(self, step: int, split: str, metrics: dict[str, float]) -> None:

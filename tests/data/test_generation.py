@@ -155,3 +155,17 @@ def test_training_tokens_are_the_recorded_ids(tmp_path, tiny_target):
         tokenizer, [Conversation(c.id, c.messages) for c in conversations], max_length=4096
     )
     assert plain_stats.recorded_ids == 0 and len(plain) == len(samples)
+
+
+def test_several_sampled_answers_per_conversation_resume_by_id(tmp_path, tiny_target):
+    model, tokenizer = tiny_target
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=8, temperature=1.0, num_samples=3)
+    out = tmp_path / "samples.jsonl"
+    regenerate_conversations(model, tokenizer, CONVERSATIONS[:2], out, cfg)
+    records = read_jsonl(out)
+    assert [r["id"] for r in records] == ["c0#s0", "c0#s1", "c0#s2", "c1#s0", "c1#s1", "c1#s2"]
+    answers = {r["messages"][1]["content"] for r in records[:3]}
+    assert len(answers) > 1  # different seeds, different answers
+    report = regenerate_conversations(model, tokenizer, CONVERSATIONS[:3], out, cfg)
+    assert report.already_done == 6 and report.turns == 3  # only c2's three answers are new
+    assert read_jsonl(out)[:6] == records

@@ -6,7 +6,7 @@ from specforge.recipes.train import train
 from tests.helpers import tiny_train_config
 
 
-def test_bench_cli_end_to_end(tmp_path, peaked_target_dir):
+def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
     folder, data = peaked_target_dir
     run = train(tiny_train_config(folder, data, tmp_path / "run", "train.max_steps=3"))
     export = tmp_path / "export"
@@ -59,6 +59,8 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir):
     assert (out / "bench.png").stat().st_size > 1000 and "tau_sglang" in (
         out / "bench.md"
     ).read_text()
+    progress = capsys.readouterr().err  # a sign of life: turns done, tokens/s, running tau
+    assert "bench: 100%" in progress and "3/3" in progress and "tau=" in progress
 
 
 def test_question_sources(tmp_path):

@@ -1,0 +1,177 @@
+"""Accept length vs training data: the default draft trained on growing self-distilled sets, each
+measured on MT-Bench (chain, greedy) with its held-out evaluation beside it. JSON, a table, and
+a PNG of tau vs training tokens.
+
+    nohup python benchmarks/data_scaling.py --questions question.jsonl \\
+        --gsm8k gsm8k/train.jsonl --sizes 75000 300000 1000000 --output outputs/scaling &
+
+One corpus grows across the sizes (self-distillation resumes by id): the built-in prompts (train
+split), then GSM8K-train questions, then prompts the target writes itself (``--synthesize``),
+answered by SmolLM2 until the assistant tokens reach each size. Each size then trains the default
+recipe for ``--epochs`` passes over its data (at least ``--min-steps``), exports, and benches
+``--questions`` (the first half of MT-Bench by default: 40 questions, both turns). Every stage
+writes its result under ``OUTPUT/size_N`` and is skipped on a rerun, so a killed run resumes.
+Run it alone: a second CPU-heavy process slows PyTorch many times over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+from specforge.config import DEFAULT_RECIPE, load_config
+from specforge.io import read_jsonl, write_json_atomic
+
+
+def corpus_overrides(args, output: Path, gsm8k_rows: int, synthesized: int) -> list[str]:
+    inputs = ["builtin"] + ([str(output / "gsm8k.jsonl")] if gsm8k_rows else [])
+    return [
+        f"output_dir={output}",
+        f"prepare.output={output / 'corpus.jsonl'}",
+        "prepare.vocab_output=null",
+        f"data.inputs={json.dumps(inputs)}",
+        f"synthesize.count={synthesized}",
+        f"regenerate.batch_size={args.batch_size}",
+        *args.overrides,
+    ]
+
+
+def assistant_tokens(output: Path) -> int:
+    stats = output / "corpus.stats.json"
+    return json.loads(stats.read_text())["tokens"]["assistant_tokens"] if stats.exists() else 0
+
+
+def grow_corpus(args, output: Path, size: int) -> dict:
+    """Self-distill more conversations until the corpus holds ``size`` assistant tokens: the
+    built-in prompts, then the first GSM8K rows (copied to ``OUTPUT/gsm8k.jsonl``, so ids stay
+    stable as it grows), then synthesized prompts."""
+    from specforge.recipes.prepare import prepare
+
+    gsm8k = Path(args.gsm8k).read_text().splitlines(keepends=True) if args.gsm8k else []
+    copied = output / "gsm8k.jsonl"
+    gsm8k_rows = len(copied.read_text().splitlines()) if copied.exists() else 0
+    synthesized = len(read_jsonl(output / "corpus.prompts.jsonl"))
+    first = not (output / "corpus.stats.json").exists()
+    while first or assistant_tokens(output) < size:
+        have, first = assistant_tokens(output), False
+        conversations = max(len(read_jsonl(output / "corpus.jsonl")), 1)
+        more = int((size - have) / max(have / conversations, 100) * 1.1) + 1 if have else 0
+        if more and gsm8k_rows < len(gsm8k):
+            gsm8k_rows = min(len(gsm8k), gsm8k_rows + more)
+            copied.write_text("".join(gsm8k[:gsm8k_rows]))
+        elif more:
+            synthesized += more
+        prepare(
+            load_config(DEFAULT_RECIPE, corpus_overrides(args, output, gsm8k_rows, synthesized))
+        )
+    return json.loads((output / "corpus.stats.json").read_text())
+
+
+def train_and_bench(args, output: Path, size: int, corpus: Path) -> dict:
+    from specforge.recipes.bench import bench
+    from specforge.recipes.export import export
+    from specforge.recipes.train import train
+
+    run = output / f"size_{size}"
+    result_path = run / "result.json"
+    if result_path.exists():
+        return json.loads(result_path.read_text())
+    run.mkdir(parents=True, exist_ok=True)
+    data = run / "conversations.jsonl"
+    shutil.copyfile(corpus, data)  # this size's conversations, frozen
+    conversations = len(read_jsonl(data))
+    steps = max(args.min_steps, args.epochs * conversations)
+    cfg = load_config(
+        DEFAULT_RECIPE,
+        [
+            f"output_dir={run}",
+            f"train.data_path={data}",
+            f"train.max_steps={steps}",
+            "train.resume=true",
+            f"bench.questions={args.questions}",
+            f"bench.limit={args.questions_limit}",
+            f"bench.num_steps={args.num_steps}",
+            f"bench.max_new_tokens={args.max_new_tokens}",
+            *args.overrides,
+        ],
+    )
+    start = time.perf_counter()
+    trained = train(cfg)
+    train_s = time.perf_counter() - start
+    export(cfg)
+    measured = bench(cfg)
+    result = {
+        "size": size,
+        "conversations": conversations,
+        "train_steps": steps,
+        "train_seconds": round(train_s, 1),
+        "eval": trained.eval,
+        "tau": measured["tau"],
+        "speedup": measured["speedup"],
+        "all_match": measured["all_match"],
+        "acceptance_per_position": measured["acceptance_per_position"],
+        "bench_turns": measured["turns"],
+    }
+    write_json_atomic(result_path, result)
+    return result
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(6, 4))
+    tokens = [r["assistant_tokens"] for r in rows]
+    axis.plot(tokens, [r["tau"] for r in rows], "o-", label="MT-Bench tau (measured)")
+    axis.plot(tokens, [r["eval"]["tau_pred"] for r in rows], "s--", label="held-out tau_pred")
+    axis.set(xscale="log", xlabel="assistant tokens trained on", ylabel="accept length")
+    axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[75_000, 300_000, 1_000_000])
+    parser.add_argument("--gsm8k", help="GSM8K train.jsonl: the second prompt source")
+    parser.add_argument("--questions", default="auto", help="MT-Bench question.jsonl")
+    parser.add_argument("--questions-limit", type=int, default=40, help="the fixed first half")
+    parser.add_argument("--num-steps", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--epochs", type=int, default=2, help="steps = epochs x conversations")
+    parser.add_argument("--min-steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=64, help="regeneration rows in flight")
+    parser.add_argument("--output", default="outputs/scaling")
+    parser.add_argument("overrides", nargs="*", help="dotted recipe overrides for every stage")
+    args = parser.parse_args()
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for size in sorted(args.sizes):
+        stats = grow_corpus(args, output, size)
+        row = train_and_bench(args, output, size, output / "corpus.jsonl")
+        row["assistant_tokens"] = stats["tokens"]["assistant_tokens"]
+        rows.append(row)
+        write_json_atomic(output / "data_scaling.json", {"settings": vars(args), "rows": rows})
+    plot(rows, output / "data_scaling.png")
+    print("\n| assistant tokens | conversations | steps | eval acc_0 | tau_pred | MT-Bench tau | "
+          "speedup | identical |\n|---:|---:|---:|---:|---:|---:|---:|---|")  # fmt: skip
+    for r in rows:
+        print(
+            f"| {r['assistant_tokens']:,} | {r['conversations']} | {r['train_steps']} | "
+            f"{r['eval']['acc_0']:.3f} | {r['eval']['tau_pred']:.2f} | {r['tau']:.2f} | "
+            f"{r['speedup']:.2f}x | {r['all_match']} |"
+        )
+    print(f"\nwrote {output}/data_scaling.json and data_scaling.png")
+
+
+if __name__ == "__main__":
+    main()
