@@ -133,7 +133,7 @@ def _run_prepare(args: argparse.Namespace, cfg: SpecForgeConfig) -> int:
 
     result = prepare(cfg)
     print(f"\nwrote {result.output}")
-    for section in ("regenerate", "tokens", "vocab", "timings_s"):
+    for section in ("synthesize", "regenerate", "tokens", "vocab", "timings_s"):
         if section in result.stats:
             print(f"\n{section}")
             for key, value in result.stats[section].items():
