@@ -99,7 +99,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, stage: Stage, names: d
     for key in stage.keys:
         for dotted, field_type, doc in config_fields(key):
             kwargs = _argument_kwargs(field_type)
-            doc = doc.replace("``", "")
+            doc = doc.replace("``", "").replace("%", "%%")
             kwargs.update(default=None, help=f"{doc} ({dotted})" if doc else dotted)
             if kwargs.get("action") is None and "choices" not in kwargs:
                 kwargs["metavar"] = dotted.rpartition(".")[2].upper()
