@@ -132,6 +132,16 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def file_problem(path: Path, sha256: str, size: int | None = None) -> str | None:
+    """Why ``path`` is not the file that was recorded (missing, another size, another sha256),
+    said after its name, or ``None`` when it is."""
+    if not path.is_file():
+        return "is missing"
+    if (size is not None and path.stat().st_size != size) or file_sha256(path) != sha256:
+        return "is corrupted or truncated (its size or sha256 differs from the one recorded)"
+    return None
+
+
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temp file in the same folder (``.<name>.*.tmp``), fsync
     and rename."""

@@ -77,9 +77,8 @@ class GrowingKVLayer(DynamicLayer):
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
         # (B, H, S, D) buffers with S = capacity; earlier columns copied once
-        batch, heads, _, dim = key_states.shape
-        keys = key_states.new_empty(batch, heads, capacity, dim)
-        values = value_states.new_empty(batch, value_states.shape[1], capacity, dim)
+        keys = key_states.new_empty(*key_states.shape[:2], capacity, key_states.shape[-1])
+        values = value_states.new_empty(*value_states.shape[:2], capacity, value_states.shape[-1])
         if self.length:
             keys[:, :, : self.length] = self.key_buffer[:, :, : self.length]
             values[:, :, : self.length] = self.value_buffer[:, :, : self.length]

@@ -46,7 +46,7 @@ from safetensors.torch import save
 from specforge.config import torch_dtype
 from specforge.data.chat import TokenizedSample, scored_positions
 from specforge.errors import UserError
-from specforge.io import file_sha256, write_bytes_atomic, write_json_atomic
+from specforge.io import file_problem, file_sha256, write_bytes_atomic, write_json_atomic
 
 FORMAT = "specforge-hidden-states"
 VERSION = 1
@@ -301,12 +301,10 @@ def check_shard(directory: Path, entry: dict[str, Any]) -> None:
         UserError: naming the file (a truncated or corrupted shard; rerun the capture).
     """
     path = directory / entry["file"]
-    if not path.is_file():
-        raise UserError(f"{path} is missing; rerun the capture")
-    if path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
+    problem = file_problem(path, entry["sha256"], entry["bytes"])
+    if problem is not None:
         raise UserError(
-            f"{path} is corrupted or truncated (its size or sha256 is not the manifest's); "
-            "rerun `specforge capture` with the same settings to redo it"
+            f"{path} {problem}: rerun `specforge capture` with the same settings to redo it"
         )
 
 
@@ -357,11 +355,11 @@ def verify_capture(directory: str | Path) -> list[str]:
         if not path.is_file():
             problems.append(f"{entry['file']}: missing")
             continue
-        data = path.read_bytes()
-        if len(data) != entry["bytes"]:
-            problems.append(f"{entry['file']}: {len(data)} bytes, manifest says {entry['bytes']}")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            problems.append(f"{entry['file']}: {size} bytes, manifest says {entry['bytes']}")
             continue
-        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        if file_sha256(path) != entry["sha256"]:
             problems.append(f"{entry['file']}: sha256 differs from the manifest")
             continue
         problems += [

@@ -154,7 +154,8 @@ class Regeneration:
         grew past ``max_prompt_length``; it is written if it has an answer)."""
         ids = prompt_ids(self.tokenizer, state.next_prompt())
         if len(ids) > self.cfg.max_prompt_length:
-            self.report.stopped_long_prompt += 1
+            with self.lock:
+                self.report.stopped_long_prompt += 1
             state.user_turns = state.user_turns[: state.turn]
             return None
         return ids
@@ -260,7 +261,7 @@ def regenerate_conversations(
     run.report.seconds = time.perf_counter() - start
     run.report.written = len(earlier) + len(run.records)
     order = {c.id: i for i, c in enumerate(conversations)}
-    new_records = [r for r in earlier if r["id"] not in run.records] + list(run.records.values())
+    new_records = earlier + list(run.records.values())  # disjoint: earlier ids were skipped
     new_records.sort(key=lambda r: order.get(r["id"], len(order)))
     if new_records or not output.exists():
         write_jsonl_atomic(output, old_records + new_records)

@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specforge.errors import UserError
-from specforge.io import atomic_directory, file_sha256, write_json_atomic
+from specforge.io import atomic_directory, file_problem, file_sha256, write_json_atomic
 from specforge.models.eagle3 import (
     FROZEN_WEIGHTS,
     Eagle3Config,
@@ -89,11 +89,8 @@ def checkpoint_problem(path: Path) -> str | None:
     except (OSError, ValueError) as err:
         return f"trainer_state.json is unreadable ({err})"
     for name, digest in state.get("sha256", {}).items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file_sha256(file) != digest:
-            return f"{name} is corrupted or truncated (sha256 differs from the one saved)"
+        if (problem := file_problem(path / name, digest)) is not None:
+            return f"{name} {problem}"
     return None
 
 

@@ -1,11 +1,11 @@
 import json
-import re
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from specforge.data.prompts import builtin_conversations, builtin_prompt_records, is_eval_prompt
+from specforge.data.synthesize import word_runs
 
 CATEGORIES = {
     "writing",
@@ -43,22 +43,17 @@ def test_splits_partition_the_set():
         builtin_conversations("dev")
 
 
-def _ngrams(text: str, n: int) -> set[tuple[str, ...]]:
-    words = re.findall(r"[a-z0-9]+", text.lower())
-    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
-
-
 @pytest.mark.skipif(not MT_BENCH.is_file(), reason="MT-Bench questions not available")
 def test_no_prompt_is_an_mt_bench_question():
     """No built-in prompt shares a 6-word run with any MT-Bench turn (the evaluation set)."""
     mt_bench = set()
     for line in MT_BENCH.read_text().splitlines():
         for turn in json.loads(line)["turns"]:
-            mt_bench |= _ngrams(turn, 6)
+            mt_bench |= word_runs(turn, 6)
     overlaps = [
         (r["id"], turn)
         for r in builtin_prompt_records()
         for turn in r["turns"]
-        if _ngrams(turn, 6) & mt_bench
+        if word_runs(turn, 6) & mt_bench
     ]
     assert overlaps == []
