@@ -6,9 +6,10 @@ a PNG of tau vs training tokens.
         --gsm8k gsm8k/train.jsonl --sizes 75000 300000 1000000 --output outputs/scaling &
 
 One corpus grows across the sizes (self-distillation resumes by id): the built-in prompts (train
-split), then GSM8K-train questions, then prompts the target writes itself (``--synthesize``),
-answered by SmolLM2 until the assistant tokens reach each size. Each size then trains the default
-recipe for ``--epochs`` passes over its data (at least ``--min-steps``), exports, and benches
+split), then GSM8K-train questions and prompts the target writes itself (``--synthesize``) in
+equal numbers, answered by SmolLM2 until the assistant tokens reach each size. Each size then
+trains the default recipe for ``--epochs`` passes over its data (at least ``--min-steps``),
+exports, and benches
 ``--questions`` (the first half of MT-Bench by default: 40 questions, both turns). Every stage
 writes its result under ``OUTPUT/size_N`` and is skipped on a rerun, so a killed run resumes.
 Run it alone: a second CPU-heavy process slows PyTorch many times over.
@@ -59,11 +60,12 @@ def grow_corpus(args, output: Path, size: int) -> dict:
         have, first = assistant_tokens(output), False
         conversations = max(len(read_jsonl(output / "corpus.jsonl")), 1)
         more = int((size - have) / max(have / conversations, 100) * 1.1) + 1 if have else 0
-        if more and gsm8k_rows < len(gsm8k):
-            gsm8k_rows = min(len(gsm8k), gsm8k_rows + more)
+        # half the new conversations from GSM8K (while it lasts), the rest synthesized
+        from_gsm8k = min(len(gsm8k) - gsm8k_rows, (more + 1) // 2)
+        if from_gsm8k:
+            gsm8k_rows += from_gsm8k
             copied.write_text("".join(gsm8k[:gsm8k_rows]))
-        elif more:
-            synthesized += more
+        synthesized += more - from_gsm8k
         prepare(
             load_config(DEFAULT_RECIPE, corpus_overrides(args, output, gsm8k_rows, synthesized))
         )
@@ -95,6 +97,7 @@ def train_and_bench(args, output: Path, size: int, corpus: Path) -> dict:
             f"bench.limit={args.questions_limit}",
             f"bench.num_steps={args.num_steps}",
             f"bench.max_new_tokens={args.max_new_tokens}",
+            "bench.prompt_lookup_num_tokens=0",
             *args.overrides,
         ],
     )
@@ -146,7 +149,7 @@ def main() -> None:
     parser.add_argument("--questions-limit", type=int, default=40, help="the fixed first half")
     parser.add_argument("--num-steps", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--epochs", type=int, default=2, help="steps = epochs x conversations")
+    parser.add_argument("--epochs", type=int, default=1, help="steps = epochs x conversations")
     parser.add_argument("--min-steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=64, help="regeneration rows in flight")
     parser.add_argument("--output", default="outputs/scaling")

@@ -3,10 +3,12 @@
     python benchmarks/prepare_stages.py --limit 16 --output outputs/bench/prepare_stages.json
 
 Steps: converting the GGUF to an HF folder (in a fresh cache, first load), loading the cached
-folder (every later load), self-distillation of the same prompts with today's fixed batches
-(``regenerate.backend: static``, ``--baseline-batch-size``) and with continuous batching
-(``continuous``, ``--batch-size``) in the same run (generated tokens/s, their ratio, how many
-answers are identical, how often decode -> re-encode differs from the generated ids),
+folder (every later load), self-distillation of the same prompts in the same run along three
+paths: ``today`` (fixed batches, ``regenerate.backend: static``, ``--baseline-batch-size``, in
+``--dtype``), ``continuous`` (continuous batching, ``--batch-size``, same dtype) and ``new``
+(continuous batching in ``--new-dtype``, what the CPU recipe runs), with generated tokens/s,
+their ratios to today's, how many answers are token-identical to today's, and how often
+decode -> re-encode differs from the generated ids;
 tokenization with loss masks (conversations/s), and the vocabulary map. Run it alone: a second
 CPU-heavy process slows PyTorch many times over.
 """
@@ -31,6 +33,17 @@ from specforge.data.vocab import build_vocab_map, count_token_frequencies
 from specforge.io import read_jsonl, write_json_atomic
 from specforge.models.target import embedded_target_dir, load_target
 
+TODAY, SAME_DTYPE, NEW = "today", "continuous", "new"
+
+
+def paths(args) -> dict[str, tuple[str, int, str]]:
+    """The regeneration paths compared: name -> (backend, batch size, dtype)."""
+    return {
+        TODAY: ("static", args.baseline_batch_size, args.dtype),
+        SAME_DTYPE: ("continuous", args.batch_size, args.dtype),
+        NEW: ("continuous", args.batch_size, args.new_dtype),
+    }
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -39,6 +52,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="continuous: rows in flight")
     parser.add_argument("--baseline-batch-size", type=int, default=16, help="static batches")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--new-dtype",
+        default="float32",
+        choices=["bfloat16", "float32"],
+        help="the new path's dtype (the CPU recipe's: float32 matmuls run ~2x bf16's here)",
+    )
     parser.add_argument("--output", default="outputs/bench/prepare_stages.json")
     args = parser.parse_args()
     rows: list[tuple[str, float, str]] = []
@@ -55,11 +74,11 @@ def main() -> None:
         rows.append(("load cached target", time.perf_counter() - start, args.dtype))
 
         conversations = builtin_conversations("train")[: args.limit]
+        models = {args.dtype: model}
         reports, answers = {}, {}
-        for backend, batch_size in (
-            ("static", args.baseline_batch_size),
-            ("continuous", args.batch_size),
-        ):
+        for path, (backend, batch_size, dtype) in paths(args).items():
+            if dtype not in models:
+                models[dtype], _ = load_target(TargetConfig(str(folder), dtype=dtype))
             cfg = RegenerateConfig(
                 enabled=True,
                 backend=backend,
@@ -68,32 +87,38 @@ def main() -> None:
             )
             with tempfile.TemporaryDirectory() as work:
                 output = Path(work) / "distilled.jsonl"
-                report = regenerate_conversations(model, tokenizer, conversations, output, cfg)
+                report = regenerate_conversations(
+                    models[dtype], tokenizer, conversations, output, cfg
+                )
                 records = read_jsonl(output)
-            reports[backend], answers[backend] = report, records
+            reports[path], answers[path] = report, records
             rows.append(
                 (
-                    f"self-distill {args.limit} prompts, {backend} (batch {batch_size})",
+                    f"self-distill {args.limit} prompts, {path}",
                     report.seconds,
                     f"{report.generated_tokens / report.seconds:.0f} generated tok/s",
                 )
             )
-        written = [Conversation.from_record(r) for r in answers["continuous"]]
-        rate = {b: r.generated_tokens / r.seconds for b, r in reports.items()}
-        identical = sum(
-            a["meta"]["token_ids"] == b["meta"]["token_ids"]
-            for a, b in zip(answers["static"], answers["continuous"], strict=True)
-        )
-        report = reports["continuous"]
-        rows.append(
-            (
-                "continuous / static",
-                0.0,
-                f"{rate['continuous'] / rate['static']:.2f}x tokens/s; {identical}/"
-                f"{len(conversations)} conversations token-identical; re-encode differs in "
-                f"{report.reencode_mismatch_turns}/{report.turns} answers",
+        written = [Conversation.from_record(r) for r in answers[NEW]]
+        rate = {path: r.generated_tokens / r.seconds for path, r in reports.items()}
+        identical = {
+            path: sum(
+                a["meta"]["token_ids"] == b["meta"]["token_ids"]
+                for a, b in zip(answers[TODAY], answers[path], strict=True)
             )
-        )
+            for path in (SAME_DTYPE, NEW)
+        }
+        for path in (SAME_DTYPE, NEW):
+            report = reports[path]
+            rows.append(
+                (
+                    f"{path} / {TODAY}",
+                    0.0,
+                    f"{rate[path] / rate[TODAY]:.2f}x tokens/s; {identical[path]}/"
+                    f"{len(conversations)} conversations token-identical; re-encode differs in "
+                    f"{report.reencode_mismatch_turns}/{report.turns} answers",
+                )
+            )
 
         start = time.perf_counter()
         samples, stats = tokenize_conversations(tokenizer, written, max_length=2048)
@@ -112,8 +137,8 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
-        "regenerate": {backend: r.as_dict() for backend, r in reports.items()},
-        "regenerate_speedup": round(rate["continuous"] / rate["static"], 2),
+        "regenerate": {path: r.as_dict() for path, r in reports.items()},
+        "regenerate_speedup": {p: round(rate[p] / rate[TODAY], 2) for p in (SAME_DTYPE, NEW)},
         "regenerate_identical_conversations": identical,
         "tokens": stats.as_dict(),
         "cached_target_mb": round(size_mb, 1),

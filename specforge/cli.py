@@ -72,11 +72,21 @@ def config_fields(key: str) -> list[tuple[str, Any, str]]:
     ]
 
 
+def _integer_or_word(text: str) -> int | str:
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def _argument_kwargs(field_type: Any) -> dict[str, Any]:
     """argparse settings for a config field's type (bool, int, float, str, Literal, list)."""
     origin = typing.get_origin(field_type)
     if origin in (typing.Union, types.UnionType):
-        (field_type,) = [a for a in typing.get_args(field_type) if a is not type(None)]
+        options = [a for a in typing.get_args(field_type) if a is not type(None)]
+        if len(options) > 1:  # e.g. ``int | Literal["auto"]``: the config check decides
+            return {"type": _integer_or_word}
+        (field_type,) = options
         origin = typing.get_origin(field_type)
     if field_type is bool:
         return {"action": argparse.BooleanOptionalAction}

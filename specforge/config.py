@@ -285,6 +285,16 @@ class TrainConfig:
     """Unrolled draft steps per position."""
     step_weight: float = 0.8
     """Step ``k`` of the unroll is weighted ``step_weight ** k``."""
+    loss: Literal["kl", "lk"] = "kl"
+    """Per-step objective: ``kl`` is the soft cross-entropy to the target's distribution on the
+    draft vocabulary (EAGLE's); ``lk`` is ``-log sum_v min(p_v, q_v)``, minus the log of the
+    probability that a token drawn from the draft is accepted (an "LK" loss that optimises
+    acceptance directly)."""
+    init_from_target: bool = False
+    """Start the draft's decoder layer from the target's last layer where shapes allow
+    (attention on the hidden half of its input, MLP, norms) and ``fc`` as the identity on the
+    top aux layer; else a seeded random initialisation. Embedding, ``norm`` and ``lm_head``
+    always come from the target."""
     max_steps: int = 1000
     """Optimizer steps (the schedule spans them); the data repeats in seeded epochs."""
     batch_size: int = 1
@@ -394,8 +404,10 @@ class BenchConfig:
     """FastChat ``question.jsonl``, an HF dataset name (``HuggingFaceH4/mt_bench_prompts``), a
     conversations file, ``builtin-eval`` (the held-out built-in prompts), or ``auto`` (MT-Bench
     from the HF hub when reachable, else ``builtin-eval``)."""
-    num_steps: int = 5
-    """Draft depth: tokens per chain, or levels of a tree."""
+    num_steps: int | Literal["auto"] = 5
+    """Draft depth: tokens per chain, or levels of a tree; ``auto`` (chains) picks the depth
+    before each round from this device's measured costs and the running acceptance per
+    position (0 = plain decoding when no depth pays)."""
     topk: int = 1
     """Branches per draft step; 1 drafts a chain, more a tree."""
     num_draft_tokens: int | None = None
@@ -409,15 +421,22 @@ class BenchConfig:
     limit: int | None = None
     """Benchmark only the first ``limit`` questions."""
     prompt_lookup_num_tokens: int = 10
-    """Tokens proposed per step by the prompt-lookup baseline."""
+    """Tokens proposed per step by the prompt-lookup baseline; 0 skips that baseline (a third
+    of the benchmark's time)."""
     output: str | None = None
     """Where ``bench.json``, ``bench.md`` and ``bench.png`` go; defaults to
     ``<output_dir>/bench``."""
 
     def __post_init__(self) -> None:
-        for name in ("num_steps", "topk", "max_new_tokens", "prompt_lookup_num_tokens"):
-            if getattr(self, name) < 1:
+        if self.num_steps == "auto" and self.topk != 1:
+            raise ConfigError(f"bench.num_steps auto drafts chains: needs topk 1, got {self.topk}")
+        for name in ("num_steps", "topk", "max_new_tokens"):
+            if getattr(self, name) != "auto" and getattr(self, name) < 1:
                 raise ConfigError(f"bench.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prompt_lookup_num_tokens < 0:
+            raise ConfigError(
+                f"bench.prompt_lookup_num_tokens must be >= 0, got {self.prompt_lookup_num_tokens}"
+            )
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"bench.limit must be >= 1 or null, got {self.limit}")
 

@@ -170,7 +170,8 @@ def test_cli_capture_then_offline_training(tmp_path):
 
 def test_cli_quickstart_leaves_the_export_and_a_bench(tmp_path):
     """`specforge quickstart` end to end on the real target, shrunk by recipe overrides:
-    self-distill 3 built-in prompts, 2 training steps, export, bench 2 turns."""
+    self-distill 3 built-in prompts (no synthesized ones), 2 training steps, export, bench 2
+    turns."""
     questions = tmp_path / "question.jsonl"
     questions.write_text(
         json.dumps({"question_id": 1, "category": "math", "turns": ["What is 2 + 3?", "And 4?"]})
@@ -189,6 +190,7 @@ def test_cli_quickstart_leaves_the_export_and_a_bench(tmp_path):
         "--max-new-tokens",
         "12",
         "data.limit=3",
+        "synthesize.count=0",
         "regenerate.max_new_tokens=24",
         "train.max_steps=2",
         "train.eval_fraction=0",

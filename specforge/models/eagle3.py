@@ -449,6 +449,53 @@ def build_draft_model(
     return model
 
 
+def init_from_target_layer(model: Eagle3DraftModel, layer: dict[str, torch.Tensor]) -> list[str]:
+    """Start the draft's decoder layer from the target's last layer, and ``fc`` as the identity
+    on the top aux layer: at initialisation the draft applies the target's last layer to the
+    target's top aux state, then the target's norm and (draft-vocabulary) head.
+
+    Where shapes allow: ``q/k/v_proj`` read ``[embedding | hidden]`` (2H wide) in the draft and
+    H in the target, so their hidden half gets the target's weights (the embedding half keeps
+    its random start); ``o_proj``, the MLP and ``post_attention_layernorm`` copy as they are,
+    the target's ``input_layernorm`` becomes the draft's ``hidden_norm``. A weight whose shape
+    differs is left as initialised.
+
+    Args:
+        model: a freshly built draft (:func:`build_draft_model`).
+        layer: the target's last decoder layer weights by name inside the layer.
+
+    Returns:
+        The draft parameter names that were set from the target.
+    """
+    hidden = model.config.hidden_size
+    sources = {f"self_attn.{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in "qkvo"} | {
+        f"mlp.{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")
+    }
+    sources |= {
+        "hidden_norm.weight": "input_layernorm.weight",
+        "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    }
+    params = dict(model.midlayer.named_parameters())
+    done = []
+    with torch.no_grad():
+        for name, source in sources.items():
+            weight, target = params[name], layer.get(source)
+            if target is None:
+                continue
+            if weight.shape == target.shape:
+                weight.copy_(target)
+            elif weight.dim() == 2 and weight.shape == (target.shape[0], 2 * target.shape[1]):
+                weight[:, hidden:].copy_(target)  # the hidden half of [embedding | hidden]
+            else:
+                continue
+            done.append(f"midlayer.{name}")
+        if model.config.target_hidden_size == hidden:
+            model.fc.weight.zero_()
+            model.fc.weight[:, 2 * hidden :].copy_(torch.eye(hidden))
+            done.append("fc.weight")
+    return done
+
+
 def load_draft_weights(model: Eagle3DraftModel, weights: dict[str, torch.Tensor], where: str):
     """Load saved draft weights (a checkpoint's or an export's) into ``model``; the frozen
     embedding may be absent (it is the target's).

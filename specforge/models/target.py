@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -351,6 +351,10 @@ class TargetHead:
     """(V, H) output embedding: the target distribution from stored last hidden states."""
     norm: torch.Tensor
     """(H,) final norm weight (initializes the draft's norm)."""
+    last_layer: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The last decoder layer's weights by their names inside the layer
+    (``self_attn.q_proj.weight``...): ``train.init_from_target`` starts the draft's layer
+    from them."""
 
 
 def load_target_head(target: TargetConfig, *, device: str | torch.device = "cpu") -> TargetHead:
@@ -383,20 +387,25 @@ def load_target_head(target: TargetConfig, *, device: str | torch.device = "cpu"
         "lm_head": names[id(skeleton.get_output_embeddings().weight)],
         "norm": names[id(skeleton.get_decoder().norm.weight)],
     }
+    last = {names[id(p)]: n for n, p in decoder_layers(skeleton)[-1].named_parameters()}
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UserError(f"{path}: no *.safetensors weights")
     found: dict[str, torch.Tensor] = {}
+    layer: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
             keys = set(f.keys())
             for role, name in wanted.items():
                 if name in keys:
                     found[role] = f.get_tensor(name)
+            layer.update({last[name]: f.get_tensor(name) for name in keys & last.keys()})
     missing = [wanted[role] for role in wanted if role not in found]
     if missing:
         raise UserError(f"{path}: the checkpoint has no {missing}")
     dtype = torch_dtype(target.dtype)
     return TargetHead(
-        config=config, **{role: t.to(device=device, dtype=dtype) for role, t in found.items()}
+        config=config,
+        **{role: t.to(device=device, dtype=dtype) for role, t in found.items()},
+        last_layer={name: t.to(device=device, dtype=dtype) for name, t in layer.items()},
     )

@@ -89,7 +89,8 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
     device = cfg.target.device
     hello = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}])
     comparison.warm_up(torch.tensor([hello], device=device))
-    tally = BenchTally(num_steps=bc.num_steps)
+    decoder = comparison.decoder
+    tally = BenchTally(num_steps=decoder.num_steps)
     progress = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn")
     for question in questions:
 
@@ -106,7 +107,13 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
                 tok_s=f"{tally.tokens['eagle3'] / max(tally.seconds['eagle3'], 1e-9):.1f}",
             )
     progress.close()
-    result = bench_report(tally, bench_settings(cfg, questions_source))
+    calibration = None
+    if decoder.auto:
+        calibration = {
+            **decoder.costs.as_dict(),
+            "final_acceptance_estimate": [round(r, 4) for r in decoder.estimate.rates()],
+        }
+    result = bench_report(tally, bench_settings(cfg, questions_source), calibration)
     write_report(result, cfg.bench_dir)
     return result
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from specforge.config import SpecForgeConfig, TargetConfig, from_dict
 from specforge.errors import UserError
+from specforge.io import iter_jsonl
 from specforge.models.target import load_target_config, load_tokenizer
+from specforge.serving.advice import sglang_advice
 from specforge.serving.export import write_export
 from specforge.trainer.checkpoint import latest_checkpoint, load_draft, read_trainer_state
 
@@ -46,6 +48,29 @@ def trained_target(state: dict, cfg: SpecForgeConfig) -> TargetConfig:
     return dataclasses.replace(target, trust_remote_code=cfg.target.trust_remote_code)
 
 
+def training_advice(checkpoint: Path) -> dict | None:
+    """SGLang launch advice from the last held-out evaluation of the run that wrote
+    ``checkpoint`` (``<output_dir>/metrics.jsonl`` beside ``checkpoints/``), or ``None``."""
+    metrics = checkpoint.parent.parent / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    evals = [
+        r
+        for _, r in iter_jsonl(metrics, strict=False)
+        if isinstance(r, dict) and r.get("split") == "eval"
+    ]
+    if not evals:
+        return None
+    rates = []
+    while f"cond_acc_{len(rates)}" in evals[-1]:
+        rates.append(evals[-1][f"cond_acc_{len(rates)}"])
+    if not rates:
+        return None
+    return sglang_advice(
+        rates, f"the training evaluation (step {evals[-1]['step']}, held-out conversations)"
+    )
+
+
 def export(cfg: SpecForgeConfig) -> Path:
     """Export the checkpoint ``cfg`` names to ``cfg.export_dir``; returns the directory.
 
@@ -64,6 +89,7 @@ def export(cfg: SpecForgeConfig) -> Path:
         aux_layer_ids=state["aux_layer_ids"],
         dtype=cfg.export.dtype,
         tokenizer=load_tokenizer(target),
+        advice=training_advice(checkpoint),
     )
     logger.info("exported %s -> %s", checkpoint, out)
     return out

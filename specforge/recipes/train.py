@@ -33,7 +33,12 @@ from specforge.data.chat import TokenizedSample, end_of_turn_ids
 from specforge.data.vocab import save_vocab_map, vocab_map_from_samples
 from specforge.distributed import Distributed, setup_distributed
 from specforge.errors import UserError
-from specforge.models.eagle3 import Eagle3Config, Eagle3DraftModel, build_draft_model
+from specforge.models.eagle3 import (
+    Eagle3Config,
+    Eagle3DraftModel,
+    build_draft_model,
+    init_from_target_layer,
+)
 from specforge.trainer.checkpoint import (
     checkpoint_steps,
     latest_sound_checkpoint,
@@ -127,7 +132,13 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
         t2d=vocab_map.t2d,
         target_norm=head.norm.float().cpu(),
         seed=tc.seed,
-    ).to(device)
+    )
+    if tc.init_from_target:
+        copied = init_from_target_layer(
+            draft, {name: w.float().cpu() for name, w in head.last_layer.items()}
+        )
+        logger.info("initialised from the target's last layer: %s", ", ".join(copied))
+    draft = draft.to(device)
     # 3. optimizer, resume, and the objective DDP wraps
     optimizer = build_optimizer(
         [p for p in draft.parameters() if p.requires_grad], tc, ranks.world_size
@@ -135,7 +146,7 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     out = Path(cfg.output_dir)
     run_identity = {"data_sha256": samples_sha256(train_samples), "draft": draft_config.to_dict()}
     start_step = resume(cfg, draft, optimizer, run_identity)
-    objective: nn.Module = TTTObjective(draft, tc.ttt_length, tc.step_weight)
+    objective: nn.Module = TTTObjective(draft, tc.ttt_length, tc.step_weight, tc.loss)
     if ranks.world_size > 1:
         objective = nn.parallel.DistributedDataParallel(objective)
     if ranks.is_main:

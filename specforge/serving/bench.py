@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from specforge.io import write_json_atomic, write_text_atomic
+from specforge.serving.advice import advice_markdown, sglang_advice
 from specforge.serving.speculative import SpecStats, SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
@@ -95,11 +96,13 @@ class MethodComparison:
         """Generate ``ids`` (1, T) with each method, add the turn to ``tally``; returns the
         target's own answer (what the conversation continues with)."""
         reference, t_target = _timed(lambda: self.target_generate(ids, self.max_new_tokens))
-        lookup, t_lookup = _timed(
-            lambda: self.target_generate(
-                ids, self.max_new_tokens, prompt_lookup_num_tokens=self.prompt_lookup_num_tokens
+        lookup, t_lookup = [], 0.0
+        if self.prompt_lookup_num_tokens:
+            lookup, t_lookup = _timed(
+                lambda: self.target_generate(
+                    ids, self.max_new_tokens, prompt_lookup_num_tokens=self.prompt_lookup_num_tokens
+                )
             )
-        )
         (spec, stats), t_spec = _timed(
             lambda: self.decoder.generate(
                 ids, max_new_tokens=self.max_new_tokens, eos_token_ids=self.eos
@@ -120,7 +123,9 @@ class MethodComparison:
                 "emitted": stats.emitted,
                 "accepted_per_round": stats.accepted_per_round,
                 "match": spec == reference,
-                "prompt_lookup_match": lookup == reference,
+                "prompt_lookup_match": lookup == reference
+                if self.prompt_lookup_num_tokens
+                else None,
             }
         )
         return reference
@@ -157,28 +162,51 @@ def round_costs(total: SpecStats, target_seconds: float, target_tokens: int) -> 
     }
 
 
-def bench_report(tally: BenchTally, settings: dict[str, Any]) -> dict[str, Any]:
-    """Everything ``bench.json`` holds, from the tally and the settings it ran with."""
+def measured_advice(stats: SpecStats, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """SGLang launch advice from the acceptance this run measured (chains only: a tree's
+    positions are not a chain's)."""
+    deepest = max(stats.depth_histogram, default=0)
+    if settings.get("topk", 1) != 1 or deepest == 0:
+        return None
+    return sglang_advice(
+        stats.acceptance_per_position[:deepest],
+        f"this benchmark's measured acceptance ({stats.verifications} rounds)",
+    )
+
+
+def bench_report(
+    tally: BenchTally, settings: dict[str, Any], calibration: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Everything ``bench.json`` holds, from the tally, the settings it ran with and, for
+    ``num_steps: auto``, the device calibration."""
     turns, seconds, tokens = tally.turns, tally.seconds, tally.tokens
     speed = {name: tokens[name] / max(seconds[name], 1e-9) for name in seconds}
+    lookup = tokens["prompt_lookup"] > 0  # bench.prompt_lookup_num_tokens 0 skips it
     categories = sorted({r["category"] for r in turns})
     return {
         **_tau(turns),
         "speedup": speed["eagle3"] / speed["target"],
-        "speedup_prompt_lookup": speed["prompt_lookup"] / speed["target"],
+        "speedup_prompt_lookup": speed["prompt_lookup"] / speed["target"] if lookup else None,
         "all_match": all(r["match"] for r in turns),
         "match_rate": sum(r["match"] for r in turns) / max(len(turns), 1),
-        "prompt_lookup_all_match": all(r["prompt_lookup_match"] for r in turns),
+        "prompt_lookup_all_match": all(r["prompt_lookup_match"] for r in turns) if lookup else None,
         "tokens_per_s": speed,
         "seconds": seconds,
         "generated_tokens": tokens,
         "cost": round_costs(tally.stats, seconds["target"], tokens["target"]),
         "acceptance_per_position": tally.stats.acceptance_per_position,
         "accepted_length_histogram": {str(k): v for k, v in tally.stats.histogram.items()},
+        "depth_histogram": {str(k): v for k, v in tally.stats.depth_histogram.items()},
+        "calibration": calibration,
+        "sglang_advice": measured_advice(tally.stats, settings),
         "per_category": {c: _tau([r for r in turns if r["category"] == c]) for c in categories},
         "settings": settings,
         "turn_details": turns,
     }
+
+
+def _times(ratio: float | None) -> str:
+    return "(not run)" if ratio is None else f"{ratio:.2f}x"
 
 
 def write_report(result: dict[str, Any], out: Path) -> None:
@@ -198,7 +226,7 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         f"| tau (emitted / verifications, prefill token excluded) | {result['tau']:.3f} |",
         f"| tau_sglang (completion tokens / verify count) | {result['tau_sglang']:.3f} |",
         f"| speedup over the target alone | {result['speedup']:.2f}x |",
-        f"| prompt-lookup speedup | {result['speedup_prompt_lookup']:.2f}x |",
+        f"| prompt-lookup speedup | {_times(result['speedup_prompt_lookup'])} |",
         f"| all outputs identical to the target's | {result['all_match']} "
         f"({result['match_rate']:.1%}) |",
         "",
@@ -220,7 +248,16 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         "| draft position | acceptance rate |",
         "|---|---|",
         *[f"| {i + 1} | {r:.3f} |" for i, r in enumerate(result["acceptance_per_position"])],
+        "",
+        "| verified depth | rounds |",
+        "|---|---|",
+        *[f"| {k} | {v} |" for k, v in result["depth_histogram"].items()],
     ]
+    if result.get("sglang_advice"):
+        lines += ["", advice_markdown(result["sglang_advice"]).replace("# ", "## ", 1)]
+    if result.get("calibration"):
+        lines += ["", "| calibration (num_steps auto) | value |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in result["calibration"].items()]
     write_text_atomic(out / "bench.md", "\n".join(lines) + "\n")
     plot_report(result, out)
 

@@ -38,7 +38,7 @@ from specforge import __version__
 from specforge.config import torch_dtype
 from specforge.data.vocab import VocabMap
 from specforge.errors import UserError
-from specforge.io import atomic_directory, write_json_atomic
+from specforge.io import atomic_directory, write_json_atomic, write_text_atomic
 from specforge.models.eagle3 import (
     FROZEN_WEIGHTS,
     Eagle3Config,
@@ -46,6 +46,7 @@ from specforge.models.eagle3 import (
     load_draft_weights,
 )
 from specforge.models.target import default_aux_layer_ids
+from specforge.serving.advice import advice_markdown
 
 MARKER = "specforge-export.json"
 """Written into every export: the files it holds, so a later export may replace them."""
@@ -273,8 +274,10 @@ def write_export(
     aux_layer_ids: list[int],
     dtype: str = "bfloat16",
     tokenizer=None,
+    advice: dict | None = None,
 ) -> Path:
-    """Check and write an export directory atomically.
+    """Check and write an export directory atomically (with ``sglang_advice.json`` / ``.md``
+    when ``advice`` is given, :func:`specforge.serving.advice.sglang_advice`).
 
     Raises:
         ExportError: the draft does not fit the contract or the target.
@@ -298,6 +301,9 @@ def write_export(
         torch.save(model.hot_ids.cpu().contiguous(), tmp / f"freq_{config.draft_vocab_size}.pt")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if advice is not None:
+            write_json_atomic(tmp / "sglang_advice.json", advice)
+            write_text_atomic(tmp / "sglang_advice.md", advice_markdown(advice))
         files = sorted(p.name for p in tmp.iterdir()) + [MARKER]
         write_json_atomic(tmp / MARKER, {"written_by": f"specforge {__version__}", "files": files})
     return out_dir

@@ -31,12 +31,16 @@ from specforge.data.generation import warp_probs
 from specforge.errors import UserError
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
 from specforge.models.target import target_hidden_states
+from specforge.serving.adaptive import AcceptanceEstimate, CostModel, best_depth, calibrate
 from specforge.serving.sampling import (
     accept_chain_sampling,
     accept_tree_sampling,
     sample,
 )
 from specforge.serving.tree import accept_greedy, build_tree, verification_inputs
+
+AUTO_MAX_DEPTH = 7
+"""The deepest chain ``num_steps: auto`` drafts (SGLang's adaptive tiers stop at 7 too)."""
 
 
 @dataclass
@@ -48,6 +52,9 @@ class SpecStats:
     emitted: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
     """Draft tokens accepted in each verification (0..num_steps), the bonus not counted."""
+    depth_per_round: list[int] = field(default_factory=list)
+    """Draft tokens verified in each round (``num_steps``, or what ``auto`` chose; 0 is a
+    plain decoding step)."""
     seconds: float = 0.0
     """Wall time of the whole generation (prefill included)."""
     draft_seconds: float = 0.0
@@ -68,16 +75,23 @@ class SpecStats:
     def acceptance_per_position(self) -> list[float]:
         """P(draft token k accepted | tokens < k accepted), k = 1..num_steps."""
         rates = []
+        rounds = list(zip(self.accepted_per_round, self.depth_per_round, strict=True))
         for k in range(1, self.num_steps + 1):
-            reached = sum(a >= k - 1 for a in self.accepted_per_round)
-            accepted = sum(a >= k for a in self.accepted_per_round)
+            reached = sum(a >= k - 1 and depth >= k for a, depth in rounds)
+            accepted = sum(a >= k for a, _ in rounds)
             rates.append(accepted / reached if reached else 0.0)
         return rates
+
+    @property
+    def depth_histogram(self) -> dict[int, int]:
+        """Rounds per verified depth (what ``num_steps: auto`` chose)."""
+        return dict(sorted(Counter(self.depth_per_round).items()))
 
     def merge(self, other: SpecStats) -> None:
         self.verifications += other.verifications
         self.emitted += other.emitted
         self.accepted_per_round.extend(other.accepted_per_round)
+        self.depth_per_round.extend(other.depth_per_round)
         self.seconds += other.seconds
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
@@ -111,7 +125,7 @@ class SpeculativeDecoder:
         draft_model: Eagle3DraftModel,
         *,
         aux_layer_ids: list[int],
-        num_steps: int = 5,
+        num_steps: int | str = 5,
         topk: int = 1,
         num_draft_tokens: int | None = None,
         temperature: float = 0.0,
@@ -122,7 +136,9 @@ class SpeculativeDecoder:
             target_model: the HF target (eval mode).
             draft_model: the draft (e.g. from :func:`load_exported_draft`).
             aux_layer_ids: the target layers the draft was trained on.
-            num_steps: draft depth (tokens per chain).
+            num_steps: draft depth (tokens per chain), or ``"auto"``: before each round the
+                depth in ``0 .. AUTO_MAX_DEPTH`` with the most expected tokens per second
+                (:mod:`specforge.serving.adaptive`; chains only).
             topk: branches per step; 1 drafts a chain.
             num_draft_tokens: tree size including the root (tree drafting only).
             temperature: 0 verifies greedily; > 0 samples (lossless rejection sampling).
@@ -131,6 +147,13 @@ class SpeculativeDecoder:
         Raises:
             ValueError: inconsistent drafting settings.
         """
+        self.auto = num_steps == "auto"
+        if self.auto:
+            if topk != 1:
+                raise UserError(f"num_steps auto drafts chains only (topk 1), got topk={topk}")
+            num_steps = AUTO_MAX_DEPTH
+        if not isinstance(num_steps, int):
+            raise UserError(f"num_steps must be an integer or 'auto', got {num_steps!r}")
         if num_steps < 1 or topk < 1:
             raise UserError(f"num_steps and topk must be >= 1, got {num_steps}, {topk}")
         if temperature < 0 or not 0 < top_p <= 1:
@@ -151,6 +174,35 @@ class SpeculativeDecoder:
         self.top_p = top_p
         self.generator: torch.Generator | None = None
         self.device = next(target_model.parameters()).device
+        self.estimate = AcceptanceEstimate(num_steps)
+        """Running conditional acceptance per draft position (used by ``auto``)."""
+        self.costs: CostModel | None = None
+        """This device's round costs (``auto``; measured by :meth:`calibrate`)."""
+
+    @torch.no_grad()
+    def calibrate(self, input_ids: torch.Tensor, *, context: int = 256) -> CostModel:
+        """Measure :attr:`costs` after a ``context``-token prefix (``input_ids`` (1, T)
+        repeated): the target's forward over 1 .. ``num_steps + 1`` new tokens, one draft
+        step."""
+        from transformers import DynamicCache
+
+        ids = input_ids.to(self.device).repeat(1, -(-context // input_ids.shape[1]))[:, :context]
+        target_cache, draft_cache = DynamicCache(), DraftKVCache()
+        _, aux = self._target_forward(ids, target_cache)
+        logits, hidden = self._draft_extend(ids[:, 1:], aux[:, :-1], 0, draft_cache)
+        token = ids[:, -1:]
+
+        def verify(n: int) -> None:
+            self._target_forward(token.repeat(1, n), target_cache)
+            crop_cache(target_cache, context)
+
+        def draft_step() -> None:
+            position = torch.tensor([[context - 1]], device=self.device)
+            self.draft_model(token, hidden, position, cache=draft_cache)
+            crop_cache(draft_cache, context - 1)
+
+        self.costs = calibrate(verify, draft_step, max_depth=self.num_steps, clock=self._clock)
+        return self.costs
 
     # -- the target --------------------------------------------------------------------------
 
@@ -198,16 +250,19 @@ class SpeculativeDecoder:
         return self.draft_model.to_target_ids(draft_id), q_target
 
     @torch.no_grad()
-    def draft(self, logits: torch.Tensor, hidden: torch.Tensor, position: int, cache):
-        """1. Propose ``num_steps`` target ids as a chain, starting from the draft's logits and
-        hidden state at ``position`` (the last accepted feature). Returns the tokens (K,) and,
-        when sampling, their draft distributions (K, V)."""
+    def draft(
+        self, logits: torch.Tensor, hidden: torch.Tensor, position: int, cache, steps: int = 0
+    ):
+        """1. Propose ``steps`` (default ``num_steps``) target ids as a chain, starting from the
+        draft's logits and hidden state at ``position`` (the last accepted feature). Returns the
+        tokens (K,) and, when sampling, their draft distributions (K, V)."""
+        steps = steps or self.num_steps
         tokens, dists = [], []
-        for k in range(self.num_steps):
+        for k in range(steps):
             token, dist = self._draft_token(logits)
             tokens.append(token)
             dists.append(dist)
-            if k == self.num_steps - 1:
+            if k == steps - 1:
                 break
             step_position = torch.tensor([[position + 1 + k]], device=self.device)
             step_logits, hidden = self.draft_model(token[None], hidden, step_position, cache=cache)
@@ -233,25 +288,48 @@ class SpeculativeDecoder:
         self, next_token, length, draft_logits, hidden, target_cache, draft_cache, stats
     ):
         """One chain round; returns the emitted tokens, accepted count and their aux rows."""
+        # 0. depth: fixed, or the cost-aware choice; greedy auto drafts one token more than it
+        # verifies (or, at depth 0, just the next-token guess) to learn the next depth's odds
+        depth = best_depth(self.estimate.rates(), self.costs) if self.auto else self.num_steps
+        lookahead = self.auto and not self.sampling and depth < self.num_steps
         # 1. draft
         start = self._clock()
-        draft_tokens, draft_probs = self.draft(draft_logits, hidden, length - 1, draft_cache)
+        draft_tokens, draft_probs = (None, None)
+        if depth or lookahead:
+            draft_tokens, draft_probs = self.draft(
+                draft_logits, hidden, length - 1, draft_cache, steps=depth + lookahead
+            )
         drafted = self._clock()
         # 2. verify: [last token, d_1 .. d_K] at positions length .. length + K
-        verify_ids = torch.cat([torch.tensor([next_token], device=self.device), draft_tokens])
+        verify_ids = torch.tensor([next_token], device=self.device)
+        if depth:
+            verify_ids = torch.cat([verify_ids, draft_tokens[:depth]])
         target_logits, aux = self._target_forward(verify_ids[None], target_cache)
         stats.draft_seconds += drafted - start
         stats.verify_seconds += self._clock() - drafted
         # 3. accept
-        if self.sampling:
+        if not depth:
+            accepted, bonus = 0, self._plain_token(target_logits[-1])
+        elif self.sampling:
             target_probs = warp_probs(target_logits, self.temperature, self.top_p)
             accepted, bonus = accept_chain_sampling(
-                draft_tokens, draft_probs, target_probs, self.generator
+                draft_tokens[:depth], draft_probs[:depth], target_probs, self.generator
             )
         else:
-            accepted, bonus = self.accept(draft_tokens, target_logits)
+            accepted, bonus = self.accept(draft_tokens[:depth], target_logits)
+        if self.auto:
+            guess = int(draft_tokens[depth]) == bonus if lookahead else None
+            self.estimate.observe(depth, accepted, guess)
+        stats.depth_per_round.append(depth)
         crop_cache(target_cache, length + 1 + accepted)
-        return draft_tokens[:accepted].tolist() + [bonus], accepted, aux[:, : accepted + 1]
+        emitted = (draft_tokens[:accepted].tolist() if depth else []) + [bonus]
+        return emitted, accepted, aux[:, : accepted + 1]
+
+    def _plain_token(self, logits: torch.Tensor) -> int:
+        """The target's next token from its own logits (a depth-0 round)."""
+        if self.sampling:
+            return sample(warp_probs(logits, self.temperature, self.top_p), self.generator)
+        return int(logits.argmax())
 
     def _tree_round(
         self, next_token, length, draft_logits, hidden, target_cache, draft_cache, stats
@@ -281,6 +359,7 @@ class SpeculativeDecoder:
             path, bonus = accept_tree_sampling(tree, target_probs, self.generator)
         else:
             path, bonus = accept_greedy(tree, target_logits)
+        stats.depth_per_round.append(self.num_steps)
         rows = [0] + [node + 1 for node in path]
         gather_cache(target_cache, list(range(length)) + [length + r for r in rows])
         return [int(tree.tokens[n]) for n in path] + [bonus], len(path), aux[:, rows]
@@ -310,17 +389,17 @@ class SpeculativeDecoder:
         # prefill: the target over the prompt, then the draft over its features
         target_cache, draft_cache = DynamicCache(), DraftKVCache()
         self.generator = generator
+        if self.auto and self.costs is None:
+            self.calibrate(input_ids)
         logits, aux = self._target_forward(input_ids, target_cache)
-        if self.sampling:
-            next_token = sample(warp_probs(logits[-1], self.temperature, self.top_p), generator)
-        else:
-            next_token = int(logits[-1].argmax())
+        next_token = self._plain_token(logits[-1])
         output = [next_token]
         tokens = torch.cat([input_ids[:, 1:], torch.tensor([[next_token]], device=self.device)], 1)
         draft_logits, hidden = self._draft_extend(tokens, aux, 0, draft_cache)
         length = prompt_length  # tokens whose target features are known (and cached)
         round_ = self._chain_round if self.topk == 1 else self._tree_round
         while len(output) < max_new_tokens and next_token not in eos:
+            round_start, measured = self._clock(), stats.draft_seconds + stats.verify_seconds
             new_tokens, accepted, aux = round_(
                 next_token, length, draft_logits, hidden, target_cache, draft_cache, stats
             )
@@ -336,6 +415,14 @@ class SpeculativeDecoder:
                 if token in eos or len(output) >= max_new_tokens:
                     break
             next_token = output[-1]
+            if self.auto:
+                # the time outside drafting and verification, a running average
+                other = (
+                    self._clock()
+                    - round_start
+                    - (stats.draft_seconds + stats.verify_seconds - measured)
+                )
+                self.costs.other += 0.1 * (other - self.costs.other)
         stats.emitted = len(output) - 1  # the first token comes from the prefill
         stats.seconds = self._clock() - start_time
         return output[:max_new_tokens], stats

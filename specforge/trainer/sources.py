@@ -126,6 +126,10 @@ class OnlineTarget:
             embed_tokens=self.model.get_input_embeddings().weight.detach(),
             lm_head=self.model.get_output_embeddings().weight.detach(),
             norm=self.model.get_decoder().norm.weight.detach(),
+            last_layer={
+                name: weight.detach()
+                for name, weight in decoder_layers(self.model)[-1].named_parameters()
+            },
         )
         if cfg.train.target_sharding == "fsdp" and ranks.world_size > 1:
             shard_decoder_layers(decoder_layers(self.model), device)

@@ -11,7 +11,10 @@ diagonally to its own steps ``1..k``, as serving does when it extends a draft ch
 Loss at step ``k``: soft cross-entropy between the draft's log-softmax over the draft vocabulary
 and the target's probabilities restricted to the draft vocabulary and renormalized, averaged over
 positions where the mask holds *and* the target's argmax lies in the draft vocabulary (EAGLE's
-and SpecForge's rule). Total: ``sum_k 0.8**k * loss_k``. Accuracy ``acc_k``: the draft's argmax,
+and SpecForge's rule); or, with ``loss="lk"``, ``-log sum_v min(p_v, q_v)``: minus the log of
+the acceptance probability of a token drawn from the draft ``q`` and verified against the
+target ``p`` (the "LK" losses, which optimise acceptance instead of KL). Total:
+``sum_k 0.8**k * loss_k``. Accuracy ``acc_k``: the draft's argmax,
 mapped through ``d2t``, equals the target's argmax, over all masked positions (an argmax outside
 the draft vocabulary counts as a miss, as it would be at serving time).
 """
@@ -128,6 +131,18 @@ class TTTResult:
         ]
 
 
+def position_losses(logits: torch.Tensor, target_probs: torch.Tensor, loss: str) -> torch.Tensor:
+    """(N, Vd) draft logits and (N, Vd) target probabilities -> (N,) per-position losses."""
+    log_probs = logits.float().log_softmax(-1)
+    if loss == "kl":
+        # soft cross-entropy: KL(p || q) up to the target's (constant) entropy
+        return -(target_probs * log_probs).sum(-1)
+    if loss == "lk":
+        accepted = torch.minimum(target_probs, log_probs.exp()).sum(-1)
+        return -accepted.clamp(min=1e-6).log()
+    raise ValueError(f"unknown loss {loss!r}: expected 'kl' or 'lk'")
+
+
 def ttt_unroll(
     draft: Eagle3DraftModel,
     *,
@@ -176,6 +191,7 @@ def ttt_loss(
     target_dist: TargetDistribution,
     ttt_length: int = 7,
     step_weight: float = 0.8,
+    loss: str = "kl",
 ) -> TTTResult:
     """Unroll the draft ``ttt_length`` steps and score every step against the target.
 
@@ -192,6 +208,7 @@ def ttt_loss(
             least at :func:`specforge.data.chat.scored_positions`.
         ttt_length: number of unrolled steps.
         step_weight: step ``k`` is weighted ``step_weight ** k``.
+        loss: ``kl`` or ``lk`` (module docstring).
 
     Returns:
         The weighted loss and per-step losses / accuracy counts.
@@ -221,11 +238,10 @@ def ttt_loss(
         target_probs = target_dist.probs[rows, cols + 1 + k]
         target_argmax = target_dist.argmax[rows, cols + 1 + k]
         scored = target_dist.in_draft[rows, cols + 1 + k]
-        # 3. logits at counted positions only; soft cross-entropy, mean over scored ones
+        # 3. logits at counted positions only; the loss, mean over scored ones
         # (B, T - start, H) -> (N, H) -> (N, draft_vocab_size)
         logits = draft.logits(hidden[rows, cols - start])
-        log_probs = logits.float().log_softmax(-1)
-        per_position = -(target_probs * log_probs).sum(-1)
+        per_position = position_losses(logits, target_probs, loss)
         step_loss = (per_position * scored).sum() / scored.sum().clamp(min=1)
         total = total + step_weight**k * step_loss
         # 4. accuracy: draft argmax mapped to target ids vs the target's argmax
@@ -246,11 +262,14 @@ def ttt_loss(
 class TTTObjective(nn.Module):
     """The draft plus its TTT loss as one module, so DDP sees the whole step in ``forward``."""
 
-    def __init__(self, draft: Eagle3DraftModel, ttt_length: int, step_weight: float):
+    def __init__(
+        self, draft: Eagle3DraftModel, ttt_length: int, step_weight: float, loss: str = "kl"
+    ):
         super().__init__()
         self.draft = draft
         self.ttt_length = ttt_length
         self.step_weight = step_weight
+        self.loss = loss
 
     def forward(
         self, batch: Batch, aux_hidden_states: torch.Tensor, target_dist: TargetDistribution
@@ -264,4 +283,5 @@ class TTTObjective(nn.Module):
             target_dist=target_dist,
             ttt_length=self.ttt_length,
             step_weight=self.step_weight,
+            loss=self.loss,
         )

@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from specforge.io import read_jsonl
 from specforge.models.eagle3 import DraftKVCache
 from specforge.serving.export import (
     ExportError,
@@ -241,3 +242,11 @@ def test_cli_exports_a_training_checkpoint(tmp_path, peaked_target_dir):
     checkpoint = load_file(str(result.checkpoint / "draft.safetensors"))
     torch.testing.assert_close(tensors["fc.weight"], checkpoint["fc.weight"].bfloat16())
     assert main(["export", str(tmp_path / "nope"), str(tmp_path / "x")]) == 2
+    # SGLang launch advice from the run's last held-out evaluation (cond_acc_0 .. _2)
+    evals = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["split"] == "eval"]
+    advice = json.loads((out / "sglang_advice.json").read_text())
+    assert advice["conditional_acceptance"] == [
+        round(evals[-1][f"cond_acc_{k}"], 4) for k in range(3)
+    ]
+    assert advice["tiers"]["7"]["extrapolated"] and not advice["tiers"]["3"]["extrapolated"]
+    assert "--speculative-num-steps" in (out / "sglang_advice.md").read_text()

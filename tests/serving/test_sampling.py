@@ -78,11 +78,11 @@ def chi_square_p(counts, expected_probs, min_expected=5.0) -> float:
     return float(chisquare(observed, [e * scale for e in expected]).pvalue)
 
 
-@pytest.mark.slow  # 3 x 6000 speculative generations, ~2.5 minutes on 2 cores
+@pytest.mark.slow  # 4 x 6000 speculative generations, ~3.5 minutes on 2 cores
 @pytest.mark.parametrize(
     ("topk", "num_steps", "num_draft_tokens", "top_p"),
-    [(1, 2, None, 1.0), (1, 2, None, 0.8), (2, 2, 4, 1.0)],
-    ids=["chain", "chain-top-p", "tree"],
+    [(1, 2, None, 1.0), (1, 2, None, 0.8), (2, 2, 4, 1.0), (1, "auto", None, 1.0)],
+    ids=["chain", "chain-top-p", "tree", "chain-auto-depth"],
 )
 def test_speculative_sampling_matches_the_target(models, topk, num_steps, num_draft_tokens, top_p):
     target, draft = models

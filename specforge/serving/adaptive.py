@@ -1,0 +1,145 @@
+"""Cost-aware adaptive drafting (``bench.num_steps: auto``, chain drafting): before each round,
+pick the depth that maximises expected tokens per second on this device.
+
+- **Costs** (:class:`CostModel`, measured once by :func:`calibrate`): the target's forward over
+  ``n = 1 .. max_depth + 1`` new tokens after a context, and one draft step; plus the time a
+  round spends outside both (a running average of what the runtime measures).
+- **Acceptance** (:class:`AcceptanceEstimate`): the conditional acceptance ``c_k`` of draft
+  position ``k`` given positions ``< k`` were accepted, from exponentially decayed counts. The
+  prior of position ``k`` is the estimate of ``k - 1`` (acceptance rarely rises with depth), so
+  depths never tried are neither ignored nor assumed perfect. A greedy round at depth ``K`` also
+  drafts a ``K + 1``-th token (one cheap draft step) and checks it against the target's bonus
+  token, so the estimate of the next depth keeps learning; at depth 0 the draft's own next-token
+  guess is checked the same way.
+- **Choice** (:func:`best_depth`): ``E(K) = 1 + sum_{k<=K} prod_{j<=k} c_j`` tokens per round for
+  ``T(K) = verify(K + 1) + K * draft_step + other`` seconds; the ``K`` in
+  ``0 .. max_depth`` with the largest ``E / T`` (0 is plain decoding: one target forward,
+  while the draft still follows the text). Verification is unchanged, so it stays lossless.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class CostModel:
+    """What a round costs on this device, in seconds."""
+
+    verify: list[float]
+    """``verify[n - 1]``: the target's forward over ``n`` new tokens (n = 1 .. max_depth + 1)."""
+    draft_step: float
+    """One draft forward over one token."""
+    other: float = 0.0
+    """Per round, outside drafting and verification (the draft's extension over the accepted
+    tokens, acceptance, cache crops, Python): a running average the runtime keeps."""
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.verify) - 1
+
+    def round_seconds(self, depth: int) -> float:
+        """``T(K)``: a round of depth ``K``."""
+        return self.verify[depth] + depth * self.draft_step + self.other
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "verify_ms": [round(1000 * s, 3) for s in self.verify],
+            "draft_step_ms": round(1000 * self.draft_step, 3),
+            "other_ms": round(1000 * self.other, 3),
+        }
+
+
+def expected_tokens(acceptance: list[float], depth: int) -> float:
+    """``E(K)``: tokens a round of depth ``K`` emits on average, the bonus token included."""
+    total, chain = 1.0, 1.0
+    for rate in acceptance[:depth]:
+        chain *= rate
+        total += chain
+    return total
+
+
+def best_depth(acceptance: list[float], costs: CostModel) -> int:
+    """The depth in ``0 .. costs.max_depth`` with the most expected tokens per second (the
+    shallower one on a tie)."""
+    rates = [
+        expected_tokens(acceptance, depth) / costs.round_seconds(depth)
+        for depth in range(costs.max_depth + 1)
+    ]
+    return max(range(len(rates)), key=lambda depth: (rates[depth], -depth))
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Decayed counts of draft positions reached and accepted (see the module docstring)."""
+
+    max_depth: int
+    decay: float = 0.98
+    """Weight of the past per round (a window of about ``1 / (1 - decay)`` rounds)."""
+    prior_weight: float = 2.0
+    """Pseudo-counts of each position's prior (the estimate of the position before it)."""
+    first_prior: float = 0.5
+    """The prior acceptance of position 1."""
+    reached: list[float] = field(init=False)
+    accepted: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reached = [0.0] * (self.max_depth + 1)
+        self.accepted = [0.0] * (self.max_depth + 1)
+
+    def rates(self) -> list[float]:
+        """``c_1 .. c_max_depth``."""
+        rates, prior = [], self.first_prior
+        for k in range(1, self.max_depth + 1):
+            rate = (self.accepted[k] + self.prior_weight * prior) / (
+                self.reached[k] + self.prior_weight
+            )
+            rates.append(rate)
+            prior = rate
+        return rates
+
+    def observe(self, depth: int, accepted: int, lookahead: bool | None = None) -> None:
+        """One round: ``accepted`` of ``depth`` draft tokens accepted, and whether the extra
+        draft token after them matched the target's bonus (``None``: not checked)."""
+        self.reached = [r * self.decay for r in self.reached]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for k in range(1, min(accepted + 1, depth) + 1):
+            self.reached[k] += 1.0
+            self.accepted[k] += float(k <= accepted)
+        if lookahead is not None and accepted == depth and depth < self.max_depth:
+            self.reached[depth + 1] += 1.0
+            self.accepted[depth + 1] += float(lookahead)
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) -> float:
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def calibrate(
+    verify_forward: Callable[[int], object],
+    draft_step: Callable[[], object],
+    *,
+    max_depth: int,
+    repeats: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+) -> CostModel:
+    """Measure a :class:`CostModel`: ``verify_forward(n)`` runs the target over ``n`` new
+    tokens after a fixed context (and restores it); ``draft_step()`` runs one draft step. Each is
+    run once to warm up, then timed ``repeats`` times (the median is kept)."""
+    verify = []
+    for n in range(1, max_depth + 2):
+        verify_forward(n)
+        verify.append(_median_seconds(lambda n=n: verify_forward(n), repeats, clock))
+    draft_step()
+    return CostModel(verify=verify, draft_step=_median_seconds(draft_step, repeats, clock))
