@@ -115,8 +115,10 @@ def read_jsonl(path: str | Path, *, repair: bool = False) -> list[Any]:
 
 def append_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> None:
     """Append records to a JSON-lines file with one write and an fsync (a kill leaves at most
-    a torn last line, which :func:`read_jsonl` with ``repair`` removes)."""
+    a torn last line, which :func:`read_jsonl` with ``repair`` removes); its folder is created
+    when missing."""
     payload = "".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in records)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with Path(path).open("a", encoding="utf-8") as f:
         f.write(payload)
         f.flush()

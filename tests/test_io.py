@@ -1,6 +1,6 @@
 import pytest
 
-from specforge.io import atomic_directory, write_jsonl_atomic
+from specforge.io import append_jsonl, atomic_directory, read_jsonl, write_jsonl_atomic
 
 
 def test_atomic_directory_replaces_only_on_success(tmp_path):
@@ -23,3 +23,12 @@ def test_write_jsonl_atomic_leaves_no_temp_file(tmp_path):
     write_jsonl_atomic(path, [{"a": 1}, {"b": "é"}])
     assert path.read_text(encoding="utf-8") == '{"a": 1}\n{"b": "é"}\n'
     assert [p.name for p in tmp_path.iterdir()] == ["x.jsonl"]
+
+
+def test_append_jsonl_creates_its_folder(tmp_path):
+    """A first run appends into an output folder nothing has created yet (the quickstart's
+    synthesized prompts)."""
+    path = tmp_path / "fresh" / "run" / "x.prompts.jsonl"
+    append_jsonl(path, [{"id": "a"}])
+    append_jsonl(path, [{"id": "b"}])
+    assert read_jsonl(path) == [{"id": "a"}, {"id": "b"}]

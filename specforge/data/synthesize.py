@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from tqdm import tqdm
+
 from specforge.config import SynthesizeConfig
 from specforge.data.chat import end_of_turn_ids, pad_id_of, render, with_system_prompt
 from specforge.data.conversations import Conversation
@@ -176,6 +178,7 @@ def synthesize_conversations(
     )
     attempt = 1 + max((r["attempt"] for r in kept), default=-1)
     start = time.perf_counter()
+    progress = tqdm(total=cfg.count, initial=min(len(kept), cfg.count), desc="synthesize")
     while len(kept) < cfg.count and report.attempts < cfg.max_attempts_factor * cfg.count:
         wanted = cfg.count - len(kept)
         # over-ask a little: some prompts are dropped; decide in attempt order (deterministic)
@@ -199,6 +202,8 @@ def synthesize_conversations(
                 record["attempt"] = completion.key
                 append_jsonl(path, [record])
                 kept.append(record)
+                progress.update(1)
+    progress.close()
     report.seconds = time.perf_counter() - start
     report.accepted = len(kept) - report.already_done
     if len(kept) < cfg.count:

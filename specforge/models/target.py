@@ -142,6 +142,58 @@ def target_hidden_states(
     return TargetHiddenStates(aux_hidden_states=aux, last_hidden_state=outputs.last_hidden_state)
 
 
+GROUPED_SDPA = "specforge_grouped_sdpa"
+"""The attention implementation :func:`use_grouped_sdpa` installs."""
+
+
+def grouped_sdpa_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
+    """HF's ``sdpa`` attention, except that grouped-query attention always runs through
+    ``scaled_dot_product_attention(enable_gqa=True)``: HF repeats the key/value heads (a copy of
+    the whole KV cache per layer and call) whenever a mask is passed, which a verification
+    forward over several new tokens always does. Bit-identical outputs (tested); anything this
+    simple path does not cover (soft-capping, position bias, attention sinks, paged caches) goes
+    to HF's own function."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    special = ("softcap", "position_bias", "s_aux", "sinks", "cache")
+    if any(kwargs.get(name) is not None for name in special) or kwargs.get("output_attentions"):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+        )
+    q_length = query.shape[2]
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = q_length > 1 and attention_mask is None and is_causal
+    if is_causal and key.shape[2] > q_length:  # as HF: an empty static cache's prefill
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=is_causal,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_grouped_sdpa(model: nn.Module) -> bool:
+    """Switch an HF model that runs ``sdpa`` attention to :func:`grouped_sdpa_attention` (the
+    bench does, for the target alone and for verification alike); returns whether it did."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    model.set_attn_implementation(GROUPED_SDPA)
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
 

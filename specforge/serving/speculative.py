@@ -75,7 +75,9 @@ class SpecStats:
     def acceptance_per_position(self) -> list[float]:
         """P(draft token k accepted | tokens < k accepted), k = 1..num_steps."""
         rates = []
-        rounds = list(zip(self.accepted_per_round, self.depth_per_round, strict=True))
+        # rounds recorded without a depth ran the fixed num_steps
+        depths = self.depth_per_round or [self.num_steps] * len(self.accepted_per_round)
+        rounds = list(zip(self.accepted_per_round, depths, strict=True))
         for k in range(1, self.num_steps + 1):
             reached = sum(a >= k - 1 and depth >= k for a, depth in rounds)
             accepted = sum(a >= k for a, _ in rounds)

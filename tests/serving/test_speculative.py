@@ -120,6 +120,10 @@ def test_acceptance_statistics():
     assert stats.tau == 9 / 4
     assert stats.histogram == {0: 1, 1: 2, 3: 1}
     assert stats.acceptance_per_position == [3 / 4, 1 / 3, 1.0]
+    # varying depths (num_steps auto): a position counts only in rounds that verified it
+    stats.depth_per_round = [3, 0, 1, 2]
+    assert stats.acceptance_per_position == [3 / 3, 1 / 2, 1.0]
+    assert stats.depth_histogram == {0: 1, 1: 1, 2: 1, 3: 1}
 
 
 @pytest.mark.parametrize(
