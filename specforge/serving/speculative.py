@@ -61,6 +61,11 @@ class SpecStats:
     """Of which proposing draft tokens (chains or trees)."""
     verify_seconds: float = 0.0
     """Of which the target's verification forwards (the tree mask and the logits included)."""
+    extend_seconds: float = 0.0
+    """Of which the draft's extension over each round's accepted tokens (with the target's
+    features), which also yields the next round's first draft token."""
+    prefill_seconds: float = 0.0
+    """Of which the prefills: the target over the prompt and the draft over its features."""
 
     @property
     def tau(self) -> float:
@@ -97,6 +102,8 @@ class SpecStats:
         self.seconds += other.seconds
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
+        self.extend_seconds += other.extend_seconds
+        self.prefill_seconds += other.prefill_seconds
 
 
 def crop_cache(cache, length: int) -> None:
@@ -109,13 +116,18 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-def gather_cache(cache, keep: list[int]) -> None:
-    """Keep only positions ``keep`` (in order) of every layer of an HF ``DynamicCache``."""
-    index = torch.tensor(keep, dtype=torch.long)
+def gather_cache(cache, prefix: int, rows: list[int]) -> None:
+    """Keep the first ``prefix`` positions of every layer of an HF ``DynamicCache`` and, after
+    them, positions ``prefix + r`` for ``r`` in ``rows`` (increasing); the rest is dropped. Only
+    the kept rows move (into place, then a crop), not the whole cache."""
+    index = torch.tensor([prefix + r for r in rows], dtype=torch.long)
+    end = prefix + len(rows)
     for layer in cache.layers:
         index = index.to(layer.keys.device)
-        layer.keys = layer.keys[:, :, index]
-        layer.values = layer.values[:, :, index]
+        # the source rows are gathered first, so overlapping slots are safe
+        layer.keys[:, :, prefix:end] = layer.keys[:, :, index]
+        layer.values[:, :, prefix:end] = layer.values[:, :, index]
+        layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
 
 
 class SpeculativeDecoder:
@@ -363,7 +375,7 @@ class SpeculativeDecoder:
             path, bonus = accept_greedy(tree, target_logits)
         stats.depth_per_round.append(self.num_steps)
         rows = [0] + [node + 1 for node in path]
-        gather_cache(target_cache, list(range(length)) + [length + r for r in rows])
+        gather_cache(target_cache, length, rows)
         return [int(tree.tokens[n]) for n in path] + [bonus], len(path), aux[:, rows]
 
     @torch.no_grad()
@@ -383,22 +395,23 @@ class SpeculativeDecoder:
         """
         from transformers import DynamicCache
 
+        input_ids = input_ids.to(self.device)
+        if self.auto and self.costs is None:
+            self.calibrate(input_ids)  # once per decoder, before anything is timed
         start_time = self._clock()
         stats = SpecStats(num_steps=self.num_steps)
         eos = set(eos_token_ids)
-        input_ids = input_ids.to(self.device)
         prompt_length = input_ids.shape[1]
         # prefill: the target over the prompt, then the draft over its features
         target_cache, draft_cache = DynamicCache(), DraftKVCache()
         self.generator = generator
-        if self.auto and self.costs is None:
-            self.calibrate(input_ids)
         logits, aux = self._target_forward(input_ids, target_cache)
         next_token = self._plain_token(logits[-1])
         output = [next_token]
         tokens = torch.cat([input_ids[:, 1:], torch.tensor([[next_token]], device=self.device)], 1)
         draft_logits, hidden = self._draft_extend(tokens, aux, 0, draft_cache)
         length = prompt_length  # tokens whose target features are known (and cached)
+        stats.prefill_seconds = self._clock() - start_time
         round_ = self._chain_round if self.topk == 1 else self._tree_round
         while len(output) < max_new_tokens and next_token not in eos:
             round_start, measured = self._clock(), stats.draft_seconds + stats.verify_seconds
@@ -407,16 +420,20 @@ class SpeculativeDecoder:
             )
             stats.verifications += 1
             stats.accepted_per_round.append(accepted)
-            # the draft drops its draft-time entries and extends over the accepted path
-            crop_cache(draft_cache, length)
-            path = torch.tensor([new_tokens], device=self.device)
-            draft_logits, hidden = self._draft_extend(path, aux, length, draft_cache)
-            length += accepted + 1
             for token in new_tokens:
                 output.append(token)
                 if token in eos or len(output) >= max_new_tokens:
                     break
             next_token = output[-1]
+            if len(output) >= max_new_tokens or next_token in eos:
+                break  # no next round: the draft need not follow
+            # the draft drops its draft-time entries and extends over the accepted path
+            extend_start = self._clock()
+            crop_cache(draft_cache, length)
+            path = torch.tensor([new_tokens], device=self.device)
+            draft_logits, hidden = self._draft_extend(path, aux, length, draft_cache)
+            length += accepted + 1
+            stats.extend_seconds += self._clock() - extend_start
             if self.auto:
                 # the time outside drafting and verification, a running average
                 other = (

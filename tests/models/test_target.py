@@ -7,6 +7,7 @@ from specforge.models.target import (
     default_aux_layer_ids,
     embedded_gguf_path,
     load_target,
+    load_target_head,
     resolve_target_path,
     target_hidden_states,
 )
@@ -69,6 +70,16 @@ def test_load_target_from_local_folder(tiny_target_dir, tiny_target):
     ids = torch.randint(0, len(tokenizer), (1, 7))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits)
+
+
+def test_target_head_reads_the_last_layer_for_offline_initialisation(tiny_target_dir, tiny_target):
+    head = load_target_head(TargetConfig(str(tiny_target_dir), dtype="float32"))
+    reference, _ = tiny_target
+    last = dict(reference.model.layers[-1].named_parameters())
+    assert set(head.last_layer) == set(last)
+    for name, weight in last.items():
+        torch.testing.assert_close(head.last_layer[name], weight.float())
+    torch.testing.assert_close(head.norm, reference.model.norm.weight.float())
 
 
 def test_load_target_rejects_unknown_dtype(tiny_target_dir):

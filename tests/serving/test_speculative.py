@@ -188,3 +188,18 @@ def test_bad_tree_settings_are_rejected(target):
         SpeculativeDecoder(
             target, draft, aux_layer_ids=[1, 1, 0], num_steps=2, topk=2, num_draft_tokens=50
         )
+
+
+def test_gather_cache_keeps_the_prefix_and_the_accepted_rows_in_order():
+    from transformers import DynamicCache
+
+    from specforge.serving.speculative import gather_cache
+
+    cache = DynamicCache()
+    keys = torch.arange(2 * 3 * 9 * 4, dtype=torch.float32).reshape(2, 3, 9, 4)
+    cache.update(keys.clone(), -keys.clone(), 0)
+    gather_cache(cache, 5, [0, 2, 3])  # a root at 5 and tree rows 7, 8 accepted
+    expected = keys[:, :, [0, 1, 2, 3, 4, 5, 7, 8]]
+    assert torch.equal(cache.layers[0].keys, expected)
+    assert torch.equal(cache.layers[0].values, -expected)
+    assert cache.get_seq_length() == 8
