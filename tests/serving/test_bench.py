@@ -54,8 +54,13 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
     assert result["tau_sglang"] >= result["tau"]
     cost = result["cost"]
     assert cost["draft_ms_per_round"] > 0 and cost["verify_ms_per_round"] > 0
-    parts = cost["draft_ms_per_round"] + cost["verify_ms_per_round"] + cost["other_ms_per_round"]
-    assert abs(parts - cost["round_ms"]) < 1e-6
+    names = ("draft", "verify", "extend", "prefill", "other")
+    parts = sum(cost[f"{name}_ms_per_round"] for name in names)
+    assert abs(parts - cost["round_ms"]) < 1e-6 and cost["prefill_ms_per_round"] > 0
+    assert result["depth_histogram"] == {
+        "3": sum(len(t["accepted_per_round"]) for t in result["turn_details"])
+    }
+    assert result["sglang_advice"]["sglang_flags"].startswith("--speculative-algorithm EAGLE3")
     assert (out / "bench.png").stat().st_size > 1000 and "tau_sglang" in (
         out / "bench.md"
     ).read_text()
