@@ -69,6 +69,10 @@ class TargetConfig:
     aux_layer_ids: list[int] | None = None
     """Decoder layers whose output residual stream feeds the draft (DESIGN §3.1).
     ``None`` means the default ``[1, L//2 - 1, L - 4]``."""
+    attn_implementation: str | None = None
+    """The target's attention (``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2``,
+    ...); ``None`` lets transformers choose (``sdpa`` where the model supports it, else
+    ``eager``). Tree drafting needs one whose masks come from a mask function (not flash)."""
 
     def __post_init__(self) -> None:
         if not self.name_or_path:

@@ -162,3 +162,42 @@ def torchrun(nproc: int, script: str, *args: str) -> subprocess.CompletedProcess
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
+
+
+class StubDraft(torch.nn.Module):
+    """A draft that knows the target's greedy continuation and proposes it, except at the
+    positions ``wrong_at`` chooses (where it proposes a different token)."""
+
+    def __init__(self, reference: list[int], wrong_at, vocab_size: int):
+        super().__init__()
+        self.reference = reference
+        self.wrong_at = wrong_at
+        self.vocab_size = vocab_size
+        self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long))
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids]
+
+    def fuse(self, aux_hidden_states):
+        return aux_hidden_states  # this stub ignores the hidden stream
+
+    def forward(self, input_ids, hidden_states, position_ids, *, cache, attention_mask=None):
+        # position t predicts token t + 2
+        logits = torch.zeros(1, input_ids.shape[1], self.vocab_size)
+        for i, t in enumerate(position_ids[0].tolist()):
+            token = self.reference[t + 2] if t + 2 < len(self.reference) else 0
+            if self.wrong_at(t):
+                token = (token + 1) % self.vocab_size
+            logits[0, i, token] = 1.0
+        return logits, torch.zeros(1, input_ids.shape[1], 64)
+
+
+def greedy_reference(target, prompt, max_new_tokens):
+    out = target.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),  # token 0 is data here, not padding
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+    )
+    return out[0].tolist()

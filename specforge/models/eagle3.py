@@ -81,28 +81,35 @@ class Eagle3Config:
 
     @classmethod
     def from_target(cls, target_config, *, draft_vocab_size: int, **overrides) -> Eagle3Config:
-        """A draft config matching an HF target config's geometry, RoPE and vocabulary."""
-        head_dim = getattr(target_config, "head_dim", None) or (
-            target_config.hidden_size // target_config.num_attention_heads
-        )
-        rope = getattr(target_config, "rope_parameters", None) or {
-            "rope_type": "default",
-            "rope_theta": getattr(target_config, "rope_theta", 10000.0),
-        }
+        """A draft config matching an HF target config's geometry, RoPE and vocabulary (the
+        text config of a multimodal checkpoint). The draft's activation is SiLU whatever the
+        target's (SGLang's and vLLM's EAGLE-3 drafts run nothing else), its norm an RMSNorm
+        with the target's epsilon, its RoPE the target's full-attention settings."""
+        from specforge.models.adapter import config_value, draft_rope_parameters, norm_eps
+        from specforge.models.adapter import text_config as text_of
+
+        config = text_of(target_config)
+        hidden = config.hidden_size
+        heads = config.num_attention_heads
         values = {
-            "hidden_size": target_config.hidden_size,
-            "intermediate_size": target_config.intermediate_size,
-            "num_attention_heads": target_config.num_attention_heads,
-            "num_key_value_heads": getattr(target_config, "num_key_value_heads", None)
-            or target_config.num_attention_heads,
-            "head_dim": head_dim,
-            "vocab_size": target_config.vocab_size,
+            "hidden_size": hidden,
+            "intermediate_size": config_value(
+                config, "intermediate_size", "ffn_hidden_size", default=4 * hidden
+            ),
+            "num_attention_heads": heads,
+            "num_key_value_heads": config_value(
+                config, "num_key_value_heads", "num_kv_heads", default=heads
+            ),
+            "head_dim": config_value(config, "head_dim", default=hidden // heads),
+            "vocab_size": config.vocab_size,
             "draft_vocab_size": draft_vocab_size,
-            "target_hidden_size": target_config.hidden_size,
-            "max_position_embeddings": target_config.max_position_embeddings,
-            "rope_parameters": dict(rope),
-            "rms_norm_eps": target_config.rms_norm_eps,
-            "hidden_act": getattr(target_config, "hidden_act", "silu"),
+            "target_hidden_size": hidden,
+            "max_position_embeddings": config_value(
+                config, "max_position_embeddings", default=4096
+            ),
+            "rope_parameters": draft_rope_parameters(config),
+            "rms_norm_eps": norm_eps(config),
+            "hidden_act": "silu",
         }
         values.update(overrides)
         return cls(**values)
@@ -449,32 +456,49 @@ def build_draft_model(
     return model
 
 
-def init_from_target_layer(model: Eagle3DraftModel, layer: dict[str, torch.Tensor]) -> list[str]:
+LLAMA_LAYER_WEIGHTS = {
+    *(f"self_attn.{p}_proj.{kind}" for p in "qkvo" for kind in ("weight", "bias")),
+    *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+}
+"""The weights of a Llama-shaped decoder layer (pre-norm attention, then a pre-norm gated
+MLP): whose norms and MLP mean in the target what they mean in the draft."""
+
+
+def init_from_target_layer(
+    model: Eagle3DraftModel, layer: dict[str, torch.Tensor], *, target_act: str | None = "silu"
+) -> list[str]:
     """Start the draft's decoder layer from the target's last layer, and ``fc`` as the identity
     on the top aux layer: at initialisation the draft applies the target's last layer to the
     target's top aux state, then the target's norm and (draft-vocabulary) head.
 
     Where shapes allow: ``q/k/v_proj`` read ``[embedding | hidden]`` (2H wide) in the draft and
     H in the target, so their hidden half gets the target's weights (the embedding half keeps
-    its random start); ``o_proj``, the MLP and ``post_attention_layernorm`` copy as they are,
-    the target's ``input_layernorm`` becomes the draft's ``hidden_norm``. A weight whose shape
-    differs is left as initialised.
+    its random start); ``o_proj`` copies as it is. The MLP and the norms copy only from a
+    Llama-shaped layer (:data:`LLAMA_LAYER_WEIGHTS`) whose activation is SiLU, as the draft's
+    is: the target's ``input_layernorm`` (its measured scale, see
+    :func:`specforge.models.target.target_head`) becomes the draft's ``hidden_norm``. A weight
+    whose shape differs is left as initialised.
 
     Args:
         model: a freshly built draft (:func:`build_draft_model`).
         layer: the target's last decoder layer weights by name inside the layer.
+        target_act: the target's activation name.
 
     Returns:
         The draft parameter names that were set from the target.
     """
     hidden = model.config.hidden_size
-    sources = {f"self_attn.{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in "qkvo"} | {
-        f"mlp.{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")
-    }
-    sources |= {
-        "hidden_norm.weight": "input_layernorm.weight",
-        "post_attention_layernorm.weight": "post_attention_layernorm.weight",
-    }
+    sources = {f"self_attn.{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in "qkvo"}
+    if set(layer) <= LLAMA_LAYER_WEIGHTS and target_act in ("silu", "swish"):
+        sources |= {f"mlp.{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+        sources |= {
+            "hidden_norm.weight": "input_layernorm.weight",
+            "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+        }
     params = dict(model.midlayer.named_parameters())
     done = []
     with torch.no_grad():

@@ -27,6 +27,17 @@ from specforge.config import TargetConfig, torch_dtype
 from specforge.distributed import check_device
 from specforge.errors import UserError
 from specforge.io import atomic_directory, require_local
+from specforge.models.adapter import (
+    LogitTransform,
+    check_logits,
+    decoder_layers,
+    final_norm,
+    find_decoder,
+    lm_head_bias,
+    logit_transform,
+    norm_scale,
+    text_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,18 +86,6 @@ class TargetHiddenStates:
     """(B, T, H): the final hidden state after the target's final norm (feeds ``lm_head``)."""
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layer list of an HF causal LM (``model.model.layers`` for Llama-likes)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise UserError(
-            f"cannot find the decoder layers of {type(model).__name__}: expected a Llama-like "
-            "model whose get_decoder() has a `.layers` ModuleList"
-        )
-    return layers
-
-
 @torch.no_grad()
 def target_hidden_states(
     model: nn.Module,
@@ -104,10 +103,10 @@ def target_hidden_states(
     ``last_hidden_state`` and ``lm_head`` restricted to the draft vocabulary.
 
     Args:
-        model: an HF causal LM (Llama-like: ``get_decoder().layers``).
+        model: an HF causal LM (its decoder found by :func:`find_decoder`).
         input_ids: (B, T) token ids.
-        attention_mask: (B, T) 1 for real tokens, 0 for padding, or ``None``; serving passes a
-            bool (B, 1, T, S + T) "may attend" mask to verify a tree.
+        attention_mask: (B, T) 1 for real tokens, 0 for padding, or ``None`` (tree
+            verification masks through :func:`specforge.serving.tree.tree_attention`).
         aux_layer_ids: three decoder layer ids (see :func:`default_aux_layer_ids`).
         past_key_values: an HF cache to extend (serving), or ``None`` (training: no cache).
         position_ids: (B, T) explicit positions (tree verification), else consecutive.
@@ -115,7 +114,7 @@ def target_hidden_states(
     Returns:
         The captured states, in the model's dtype.
     """
-    layers = decoder_layers(model)
+    decoder, layers = find_decoder(model)
     ids = check_aux_layer_ids(aux_layer_ids, len(layers))
     captured: dict[int, torch.Tensor] = {}
 
@@ -127,7 +126,7 @@ def target_hidden_states(
 
     handles = [layers[i].register_forward_hook(hook_for(i)) for i in sorted(set(ids))]
     try:
-        outputs = model.get_decoder()(
+        outputs = decoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
@@ -349,10 +348,19 @@ def load_target(
     torch_dtype(dtype)  # an unknown name is a user error before any loading
     check_device(str(device or target.device))
     path, kwargs = _pretrained(target, dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype(dtype), attn_implementation="sdpa", **kwargs
-    )
+    if target.attn_implementation:
+        kwargs["attn_implementation"] = target.attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), **kwargs)
+    except ValueError as err:
+        if "attn_implementation" not in str(err) and "attention" not in str(err):
+            raise
+        raise UserError(
+            f"target {target.name_or_path!r} cannot run attention "
+            f"{target.attn_implementation!r}: {err}"
+        ) from None
     model.to(device or target.device).eval().requires_grad_(False)
+    check_logits(model)  # refuses a model whose logits the pipeline would derive wrongly
     return model, load_tokenizer(target)
 
 
@@ -373,22 +381,27 @@ _VOLATILE_CONFIG_KEYS = (
 
 
 def target_fingerprint(config, tokenizer, name_or_path: str) -> dict:
-    """What identifies a target for an offline capture: hashes of its config (without the
-    file-location, dtype and library-version keys) and its vocabulary, plus its geometry."""
+    """What identifies a target for an offline capture: hashes of its (text) config (without
+    the file-location, dtype and library-version keys) and its vocabulary, plus its geometry."""
     import hashlib
     import json
 
-    settings = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    geometry = text_config(config)
+    settings = {k: v for k, v in geometry.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     config_text = json.dumps(settings, sort_keys=True, default=str)
     vocab_text = json.dumps(tokenizer.get_vocab(), sort_keys=True)
     return {
         "name_or_path": name_or_path,
         "config_hash": hashlib.sha256(config_text.encode()).hexdigest()[:16],
         "tokenizer_hash": hashlib.sha256(vocab_text.encode()).hexdigest()[:16],
-        "num_layers": config.num_hidden_layers,
-        "hidden_size": config.hidden_size,
-        "vocab_size": config.vocab_size,
+        "num_layers": geometry.num_hidden_layers,
+        "hidden_size": geometry.hidden_size,
+        "vocab_size": geometry.vocab_size,
     }
+
+
+LLAMA_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+"""The last layer's norms ``train.init_from_target`` copies (as their measured scales)."""
 
 
 @dataclass
@@ -396,21 +409,88 @@ class TargetHead:
     """The few target weights offline training needs, without the decoder layers."""
 
     config: object
-    """The target's HF config."""
+    """The target's HF config (the text config of a multimodal checkpoint)."""
     embed_tokens: torch.Tensor
     """(V, H) input embedding (copied, frozen, into the draft)."""
     lm_head: torch.Tensor
     """(V, H) output embedding: the target distribution from stored last hidden states."""
     norm: torch.Tensor
-    """(H,) final norm weight (initializes the draft's norm)."""
+    """(H,) the per-channel scale the final norm applies (:func:`norm_scale`: ``1 + w`` for
+    Gemma-style norms); initializes the draft's norm."""
     last_layer: dict[str, torch.Tensor] = field(default_factory=dict)
     """The last decoder layer's weights by their names inside the layer
-    (``self_attn.q_proj.weight``...): ``train.init_from_target`` starts the draft's layer
-    from them."""
+    (``self_attn.q_proj.weight``...), its norms as measured scales: ``train.init_from_target``
+    starts the draft's layer from them."""
+    lm_head_bias: torch.Tensor | None = None
+    """(V,) the output layer's bias, if it has one."""
+    transform: LogitTransform = field(default_factory=LogitTransform)
+    """What the model does to ``lm_head``'s output (scaling, soft-capping)."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's logits from final hidden states (..., H) -> (..., V)."""
+        logits = hidden @ self.lm_head.T.to(hidden.dtype)
+        if self.lm_head_bias is not None:
+            logits = logits + self.lm_head_bias.to(logits.dtype)
+        return self.transform(logits)
+
+
+def _layer_weights(layer: nn.Module, weights: dict[str, torch.Tensor], width: int):
+    """``weights`` of a decoder layer with its Llama-named norms replaced by their scales."""
+    out = dict(weights)
+    for name in LLAMA_LAYER_NORMS:
+        module = getattr(layer, name, None)
+        if isinstance(module, nn.Module) and f"{name}.weight" in out:
+            params = {
+                n: weights[f"{name}.{n}"]
+                for n, _ in module.named_parameters()
+                if f"{name}.{n}" in weights
+            }
+            out[f"{name}.weight"] = norm_scale(module, width, params)
+    return out
+
+
+def target_head(model: nn.Module) -> TargetHead:
+    """The head of a loaded target (online training shares its tensors)."""
+    config = text_config(model.config)
+    layer = decoder_layers(model)[-1]
+    weights = {name: weight.detach() for name, weight in layer.named_parameters()}
+    return TargetHead(
+        config=config,
+        embed_tokens=model.get_input_embeddings().weight.detach(),
+        lm_head=model.get_output_embeddings().weight.detach(),
+        norm=norm_scale(final_norm(model), config.hidden_size).to(model.dtype),
+        last_layer=_layer_weights(layer, weights, config.hidden_size),
+        lm_head_bias=lm_head_bias(model),
+        transform=check_logits(model),
+    )
+
+
+def checkpoint_renaming(skeleton: nn.Module):
+    """A function from a checkpoint's tensor names to the model's parameter names: transformers
+    renames some legacy names on load (GPT-NeoX's ``embed_out`` is ``lm_head``) and saves them
+    back under the old ones. Tensors a converter merges (stacked experts) map to ``None``."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+    except ImportError:  # a transformers without checkpoint conversions
+        return lambda key: key
+    transforms = get_model_conversion_mapping(skeleton)
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = skeleton.state_dict()
+
+    def rename(key: str) -> str | None:
+        name, merged = rename_source_key(
+            key, renamings, converters, skeleton.base_model_prefix, meta
+        )
+        return None if merged else name
+
+    return rename
 
 
 def load_target_head(target: TargetConfig, *, device: str | torch.device = "cpu") -> TargetHead:
-    """Read only the embedding, ``lm_head`` and final norm from a target's safetensors files.
+    """Read only the embedding, ``lm_head`` (and its bias), the final norm and the last layer
+    from a target's safetensors files.
 
     The tensor names come from the model class itself, built on the ``meta`` device (no memory),
     so any HF causal LM whose checkpoint uses its own parameter names works; a tied ``lm_head``
@@ -437,27 +517,46 @@ def load_target_head(target: TargetConfig, *, device: str | torch.device = "cpu"
     wanted = {
         "embed_tokens": names[id(skeleton.get_input_embeddings().weight)],
         "lm_head": names[id(skeleton.get_output_embeddings().weight)],
-        "norm": names[id(skeleton.get_decoder().norm.weight)],
     }
-    last = {names[id(p)]: n for n, p in decoder_layers(skeleton)[-1].named_parameters()}
+    bias = getattr(skeleton.get_output_embeddings(), "bias", None)
+    optional = {"lm_head_bias": names[id(bias)]} if isinstance(bias, torch.Tensor) else {}
+    norm = final_norm(skeleton)
+    norm_names = {names[id(p)]: n for n, p in norm.named_parameters()}
+    layer = decoder_layers(skeleton)[-1]
+    last = {names[id(p)]: n for n, p in layer.named_parameters()}
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UserError(f"{path}: no *.safetensors weights")
+    model_name = checkpoint_renaming(skeleton)
     found: dict[str, torch.Tensor] = {}
-    layer: dict[str, torch.Tensor] = {}
+    layer_weights: dict[str, torch.Tensor] = {}
+    norm_weights: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
-            keys = set(f.keys())
-            for role, name in wanted.items():
+            # checkpoint key -> the model's parameter name (None: converted, not copied)
+            keys = {model_name(key): key for key in f.keys()}
+            keys.pop(None, None)
+            for role, name in (wanted | optional).items():
                 if name in keys:
-                    found[role] = f.get_tensor(name)
-            layer.update({last[name]: f.get_tensor(name) for name in keys & last.keys()})
+                    found[role] = f.get_tensor(keys[name])
+            for name in keys.keys() & last.keys():
+                layer_weights[last[name]] = f.get_tensor(keys[name])
+            for name in keys.keys() & norm_names.keys():
+                norm_weights[norm_names[name]] = f.get_tensor(keys[name])
     missing = [wanted[role] for role in wanted if role not in found]
+    missing += [name for name in norm_names if norm_names[name] not in norm_weights]
     if missing:
         raise UserError(f"{path}: the checkpoint has no {missing}")
     dtype = torch_dtype(target.dtype)
+    text = text_config(config)
+    width = text.hidden_size
     return TargetHead(
-        config=config,
+        config=text,
         **{role: t.to(device=device, dtype=dtype) for role, t in found.items()},
-        last_layer={name: t.to(device=device, dtype=dtype) for name, t in layer.items()},
+        norm=norm_scale(norm, width, norm_weights).to(device=device, dtype=dtype),
+        last_layer={
+            name: t.to(device=device, dtype=dtype)
+            for name, t in _layer_weights(layer, layer_weights, width).items()
+        },
+        transform=logit_transform(config),  # a capture records the measured one
     )

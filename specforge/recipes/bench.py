@@ -20,6 +20,7 @@ from specforge.config import SpecForgeConfig, to_dict, torch_dtype
 from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.questions import ask_turns, load_questions, resolve_question_set
 from specforge.errors import UserError
+from specforge.models.adapter import text_config
 from specforge.models.target import load_target, load_tokenizer, use_grouped_sdpa
 from specforge.serving.bench import BenchTally, MethodComparison, bench_report, write_report
 from specforge.serving.export import exported_aux_layer_ids, load_exported_draft
@@ -55,7 +56,9 @@ def build_comparison(cfg: SpecForgeConfig) -> tuple[MethodComparison, Any]:
     decoder = SpeculativeDecoder(
         target,
         draft,
-        aux_layer_ids=exported_aux_layer_ids(cfg.bench_draft, target.config.num_hidden_layers),
+        aux_layer_ids=exported_aux_layer_ids(
+            cfg.bench_draft, text_config(target.config).num_hidden_layers
+        ),
         num_steps=bc.num_steps,
         topk=bc.topk,
         num_draft_tokens=bc.num_draft_tokens,

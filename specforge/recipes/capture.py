@@ -35,6 +35,7 @@ from specforge.data.chat import (
 )
 from specforge.data.sources import load_conversations, require_prepared
 from specforge.distributed import Distributed, setup_distributed
+from specforge.models.adapter import LogitTransform, check_logits, text_config
 from specforge.models.target import (
     load_target,
     resolve_aux_layer_ids,
@@ -59,8 +60,11 @@ class CaptureResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def capture_header(cfg: SpecForgeConfig, fingerprint: dict, aux_layer_ids: list[int]) -> dict:
-    """The manifest fields that fix a capture's content (all part of every shard's plan hash)."""
+def capture_header(
+    cfg: SpecForgeConfig, fingerprint: dict, aux_layer_ids: list[int], transform: LogitTransform
+) -> dict:
+    """The manifest fields that fix a capture's content (all part of every shard's plan hash),
+    with the logit transform measured on the target (offline training applies it)."""
     return {
         "format": store.FORMAT,
         "version": store.VERSION,
@@ -72,6 +76,7 @@ def capture_header(cfg: SpecForgeConfig, fingerprint: dict, aux_layer_ids: list[
         "system_prompt": cfg.data.system_prompt,
         "shard_size_mb": cfg.capture.shard_size_mb,
         "target_dtype": cfg.target.dtype,
+        "logit_transform": transform.as_dict(),
         "layout": (
             "input_ids int32 (N), loss_mask bool (N), offsets int64 (S+1), "
             "aux_hidden_states (N, 3H), last_hidden_state (M, H) at positions p with "
@@ -138,7 +143,9 @@ def _capture(cfg: SpecForgeConfig, ranks: Distributed) -> CaptureResult:
     # 1. target and data
     model, tokenizer = load_target(cfg.target, device=ranks.device(cfg.target.device))
     set_chat_template(tokenizer, cfg.data.chat_template)
-    aux_layer_ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids, model.config.num_hidden_layers)
+    aux_layer_ids = resolve_aux_layer_ids(
+        cfg.target.aux_layer_ids, text_config(model.config).num_hidden_layers
+    )
     conversations = load_conversations(
         capture_sources(cfg), fmt=cfg.data.format, split=cfg.data.split, limit=cfg.data.limit
     )
@@ -154,8 +161,8 @@ def _capture(cfg: SpecForgeConfig, ranks: Distributed) -> CaptureResult:
     dtype = torch_dtype(cfg.capture.dtype)
     plan = store.plan_shards(
         samples,
-        header=capture_header(cfg, fingerprint, aux_layer_ids),
-        hidden_size=model.config.hidden_size,
+        header=capture_header(cfg, fingerprint, aux_layer_ids, check_logits(model)),
+        hidden_size=text_config(model.config).hidden_size,
         itemsize=dtype.itemsize,
         shard_bytes=int(cfg.capture.shard_size_mb * 2**20),
     )

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from specforge.data.synthesize import synthesize_conversations
 from specforge.data.vocab import save_vocab_map, vocab_map_from_samples
 from specforge.errors import UserError
 from specforge.io import read_jsonl, write_json_atomic, write_jsonl_atomic
+from specforge.models.adapter import architecture, recurrent_layers
 from specforge.models.target import (
     load_generation_config,
     load_target,
@@ -107,6 +109,7 @@ def _self_distill(cfg: SpecForgeConfig, conversations, result: PrepareResult):
         model, tokenizer = None, load_tokenizer(cfg.target)
     else:
         model, tokenizer = load_target(cfg.target)
+        cfg = _batchable(cfg, model)
     set_chat_template(tokenizer, cfg.data.chat_template)
     result.timings_s["load_target"] = time.perf_counter() - clock
     if cfg.synthesize.count:
@@ -132,6 +135,31 @@ def _self_distill(cfg: SpecForgeConfig, conversations, result: PrepareResult):
     wanted = {c.id for c in conversations}
     records = [r for r in read_jsonl(result.output) if r["id"] in wanted]
     return tokenizer, [Conversation.from_record(r) for r in records]
+
+
+def _batchable(cfg: SpecForgeConfig, model) -> SpecForgeConfig:
+    """``cfg`` for a target whose layers continuous batching can reshape; for one with
+    recurrent layers, regeneration falls back to ``model.generate`` on fixed batches (the
+    ``static`` backend) and synthesis is refused before any generation."""
+    layers = recurrent_layers(model)
+    if layers is None:
+        return cfg
+    if cfg.synthesize.count:
+        raise UserError(
+            f"synthesize: {architecture(model.config)} has {layers} layers, whose state "
+            "continuous batching cannot reshape; bring prompts (data.inputs) instead"
+        )
+    if cfg.regenerate.backend == "continuous":
+        logger.warning(
+            "%s has %s layers, whose state continuous batching cannot reshape: regenerating "
+            "with model.generate on fixed batches (regenerate.backend static)",
+            architecture(model.config),
+            layers,
+        )
+        return dataclasses.replace(
+            cfg, regenerate=dataclasses.replace(cfg.regenerate, backend="static")
+        )
+    return cfg
 
 
 def _write_vocab_map(cfg: SpecForgeConfig, tokenizer, samples) -> dict:

@@ -33,6 +33,7 @@ from specforge.data.chat import TokenizedSample, end_of_turn_ids
 from specforge.data.vocab import save_vocab_map, vocab_map_from_samples
 from specforge.distributed import Distributed, setup_distributed
 from specforge.errors import UserError
+from specforge.models.adapter import config_value
 from specforge.models.eagle3 import (
     Eagle3Config,
     Eagle3DraftModel,
@@ -127,7 +128,7 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     draft = build_draft_model(
         draft_config,
         target_embedding=head.embed_tokens.float().cpu(),
-        target_lm_head=head.lm_head.float().cpu(),
+        target_lm_head=head.lm_head.float().cpu() * head.transform.scale,
         d2t=vocab_map.d2t,
         t2d=vocab_map.t2d,
         target_norm=head.norm.float().cpu(),
@@ -135,7 +136,9 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     )
     if tc.init_from_target:
         copied = init_from_target_layer(
-            draft, {name: w.float().cpu() for name, w in head.last_layer.items()}
+            draft,
+            {name: w.float().cpu() for name, w in head.last_layer.items()},
+            target_act=config_value(head.config, "hidden_act", "hidden_activation", "activation"),
         )
         logger.info("initialised from the target's last layer: %s", ", ".join(copied))
     draft = draft.to(device)

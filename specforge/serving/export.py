@@ -39,6 +39,7 @@ from specforge.config import torch_dtype
 from specforge.data.vocab import VocabMap
 from specforge.errors import UserError
 from specforge.io import atomic_directory, write_json_atomic, write_text_atomic
+from specforge.models.adapter import draft_rope_parameters, text_config
 from specforge.models.eagle3 import (
     FROZEN_WEIGHTS,
     Eagle3Config,
@@ -206,8 +207,10 @@ def check_export_config(exported: dict[str, Any], target_config) -> None:
     """Check ``config.json`` against the target it will serve with.
 
     Raises:
-        ExportError: listing every mismatch (architecture, tying, vocabulary, positions, RoPE).
+        ExportError: listing every mismatch (architecture, tying, vocabulary, positions, RoPE,
+            activation).
     """
+    target_config = text_config(target_config)
     problems = []
     if exported.get("architectures") != ["LlamaForCausalLMEagle3"]:
         problems.append(
@@ -238,10 +241,18 @@ def check_export_config(exported: dict[str, Any], target_config) -> None:
             f"max_position_embeddings {exported.get('max_position_embeddings')} != "
             f"target's {target_config.max_position_embeddings}"
         )
-    target_rope = dict(getattr(target_config, "rope_parameters", None) or {})
+    if exported.get("hidden_act") != "silu":
+        problems.append(
+            f"hidden_act is {exported.get('hidden_act')!r}: SGLang's and vLLM's EAGLE-3 drafts "
+            "run SiLU only"
+        )
+    # the draft runs the target's full-attention RoPE (nested per-layer-type settings give
+    # their full_attention entry); the exported theta must be that one, not a fallback
+    target_rope = draft_rope_parameters(target_config)
     if exported.get("rope_parameters") != target_rope:
         problems.append(
-            f"rope_parameters {exported.get('rope_parameters')} != target's {target_rope}"
+            f"rope_parameters {exported.get('rope_parameters')} != target's full-attention "
+            f"RoPE {target_rope}"
         )
     theta, scaling = _rope_legacy(target_rope)
     if exported.get("rope_theta") != theta or exported.get("rope_scaling") != scaling:
@@ -287,7 +298,7 @@ def write_export(
     exported = export_config_dict(
         config,
         aux_layer_ids=aux_layer_ids,
-        num_target_layers=target_config.num_hidden_layers,
+        num_target_layers=text_config(target_config).num_hidden_layers,
         dtype=dtype,
     )
     check_export_config(exported, target_config)

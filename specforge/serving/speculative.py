@@ -29,6 +29,7 @@ import torch
 
 from specforge.data.generation import warp_probs
 from specforge.errors import UserError
+from specforge.models.adapter import check_logits, serving_refusal, tree_refusal
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
 from specforge.models.target import target_hidden_states
 from specforge.serving.adaptive import AcceptanceEstimate, CostModel, best_depth, calibrate
@@ -37,7 +38,12 @@ from specforge.serving.sampling import (
     accept_tree_sampling,
     sample,
 )
-from specforge.serving.tree import accept_greedy, build_tree, verification_inputs
+from specforge.serving.tree import (
+    accept_greedy,
+    build_tree,
+    tree_attention,
+    verification_inputs,
+)
 
 AUTO_MAX_DEPTH = 7
 """The deepest chain ``num_steps: auto`` drafts (SGLang's adaptive tiers stop at 7 too)."""
@@ -159,7 +165,8 @@ class SpeculativeDecoder:
             top_p: nucleus filtering of the target distribution when sampling.
 
         Raises:
-            ValueError: inconsistent drafting settings.
+            UserError: inconsistent drafting settings, or a target the runtime cannot serve
+                (recurrent layers; a tree on flash attention), before any generation.
         """
         self.auto = num_steps == "auto"
         if self.auto:
@@ -178,7 +185,12 @@ class SpeculativeDecoder:
                 f"tree drafting needs 2 <= num_draft_tokens <= {largest} for topk={topk}, "
                 f"num_steps={num_steps}; got {num_draft_tokens}"
             )
+        refusal = serving_refusal(target_model) or (topk > 1 and tree_refusal(target_model))
+        if refusal:
+            raise UserError(refusal)
         self.target = target_model
+        self.transform = check_logits(target_model)
+        """What the target does to ``lm_head``'s output (verification uses its logits)."""
         self.draft_model = draft_model
         self.aux_layer_ids = list(aux_layer_ids)
         self.num_steps = num_steps
@@ -221,19 +233,19 @@ class SpeculativeDecoder:
     # -- the target --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _target_forward(self, input_ids: torch.Tensor, cache, positions=None, mask=None):
+    def _target_forward(self, input_ids: torch.Tensor, cache, positions=None):
         """Target logits (T, V) and fused-aux inputs (1, T, 3 * Ht) for new tokens ``input_ids``
-        (1, T), extending ``cache`` (tree verification passes positions and a mask)."""
+        (1, T), extending ``cache`` (tree verification passes positions, inside
+        :func:`tree_attention`)."""
         states = target_hidden_states(
             self.target,
             input_ids,
-            mask,
             aux_layer_ids=self.aux_layer_ids,
             past_key_values=cache,
             position_ids=positions,
         )
         logits = self.target.get_output_embeddings()(states.last_hidden_state[0])
-        return logits.float(), states.aux_hidden_states
+        return self.transform(logits.float()), states.aux_hidden_states
 
     # -- the draft ---------------------------------------------------------------------------
 
@@ -363,8 +375,9 @@ class SpeculativeDecoder:
         )
         drafted = self._clock()
         # 2. verify root + tree in one forward with the tree mask
-        ids, positions, mask = verification_inputs(tree, next_token, length, prefix=length)
-        target_logits, aux = self._target_forward(ids, target_cache, positions, mask)
+        ids, positions, visible = verification_inputs(tree, next_token, length)
+        with tree_attention(self.target, positions[0], visible, prefix=length):
+            target_logits, aux = self._target_forward(ids, target_cache, positions)
         stats.draft_seconds += drafted - start
         stats.verify_seconds += self._clock() - drafted
         # 3. accept the longest matching path; keep its cache rows only

@@ -2,6 +2,11 @@
 keep the ``num_draft_tokens - 1`` nodes with the highest cumulative draft log-probability, and
 verify them in one target forward with a tree attention mask.
 
+The target's tree mask is not handed to the model as one 4D tensor (transformers would apply it
+to every layer as given, so sliding-window and chunked layers would see past their window):
+:func:`tree_attention` lets the model build each layer type's mask itself from its own mask
+function, evaluated at the nodes' positions and restricted to each node's ancestors.
+
 Node ``i`` (depth ``d >= 1``) is a target token proposed after the path root -> ... -> parent.
 In the draft it is expanded at position ``last - 1 + d`` (``last`` = the last accepted target
 position, which holds the root token) attending to the prefix and to its ancestors; in the
@@ -11,10 +16,13 @@ ancestors.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from specforge.errors import UserError
+from specforge.models.adapter import architecture, tree_refusal
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
 
 
@@ -151,17 +159,73 @@ def prune(tokens, parents, depths, scores, size: int, device) -> DraftTree:
     )
 
 
-def verification_inputs(tree: DraftTree, root_token: int, last_position: int, prefix: int):
-    """Token ids (1, 1 + M), positions (1, 1 + M) and the bool (1, 1, 1 + M, prefix + 1 + M)
-    attention mask that verify the root plus the tree in one target forward."""
+def verification_inputs(tree: DraftTree, root_token: int, last_position: int):
+    """Token ids (1, 1 + M), positions (1, 1 + M) and the (1 + M, 1 + M) bool "may attend"
+    table among the new tokens (the root, then every node seeing the root and its ancestors)
+    that verify the root plus the tree in one target forward."""
     device = tree.tokens.device
     size = 1 + len(tree.tokens)
     ids = torch.cat([torch.tensor([root_token], device=device), tree.tokens])[None]
     positions = torch.cat([torch.tensor([0]), tree.depths]).to(device)[None] + last_position
-    mask = torch.zeros(size, prefix + size, dtype=torch.bool, device=device)
-    mask[:, : prefix + 1] = True  # everything sees the prefix and the root
-    mask[1:, prefix + 1 :] = tree.ancestors_mask().to(device)
-    return ids, positions, mask[None, None]
+    visible = torch.zeros(size, size, dtype=torch.bool, device=device)
+    visible[:, 0] = True  # everything sees the root
+    visible[1:, 1:] = tree.ancestors_mask().to(device)
+    return ids, positions, visible
+
+
+@contextmanager
+def tree_attention(model, positions: torch.Tensor, visible: torch.Tensor, prefix: int):
+    """While active, the target's forward over ``N`` new tokens after ``prefix`` cached ones
+    builds every attention mask (full, sliding-window, chunked: each layer type its own) from
+    the model's own mask function evaluated at the new tokens' ``positions`` (N,), and lets new
+    token ``i`` see new token ``j`` only where ``visible[i, j]``; the cached prefix stays
+    visible as the mask function says.
+
+    The model's mask builder for its attention implementation is wrapped for the duration (and
+    restored after). A forward that never asked for a mask (a model that builds masks some other
+    way) raises rather than verify with a plain causal mask.
+
+    Raises:
+        UserError: an attention implementation whose masks ignore mask functions (flash), or a
+            model that built no mask through transformers' mask interface.
+    """
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    refusal = tree_refusal(model)
+    if refusal:
+        raise UserError(refusal)
+    implementation = model.config._attn_implementation
+    mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    base = mapping[implementation]
+    device = positions.device
+    # cache index -> position: the prefix sits at its own indices, the new tokens at theirs
+    position_of = torch.cat([torch.arange(prefix, device=device), positions.to(device)])
+    calls = []
+
+    def at_positions(mask_function):
+        def inner(batch_idx, head_idx, q_idx, kv_idx):
+            new_q = (q_idx - prefix).clamp(min=0)
+            new_kv = (kv_idx - prefix).clamp(min=0)
+            allowed = mask_function(batch_idx, head_idx, position_of[q_idx], position_of[kv_idx])
+            return allowed & ((kv_idx < prefix) | visible[new_q, new_kv])
+
+        return inner
+
+    def tree_mask(*args, mask_function, **kwargs):
+        calls.append(implementation)
+        kwargs["allow_is_causal_skip"] = False
+        return base(*args, mask_function=at_positions(mask_function), **kwargs)
+
+    mapping[implementation] = tree_mask
+    try:
+        yield
+    finally:
+        mapping[implementation] = base
+    if not calls:
+        raise UserError(
+            f"{architecture(model.config)} built no attention mask through transformers' mask "
+            "interface, so a tree cannot be verified on it; draft a chain (topk 1)"
+        )
 
 
 def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:

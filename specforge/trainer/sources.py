@@ -28,6 +28,7 @@ from specforge.data.sources import require_prepared
 from specforge.distributed import Distributed, shard_decoder_layers
 from specforge.errors import UserError
 from specforge.io import read_jsonl
+from specforge.models.adapter import LogitTransform
 from specforge.models.eagle3 import Eagle3DraftModel
 from specforge.models.target import (
     TargetHead,
@@ -38,6 +39,7 @@ from specforge.models.target import (
     load_tokenizer,
     resolve_aux_layer_ids,
     target_fingerprint,
+    target_head,
     target_hidden_states,
 )
 from specforge.trainer.ttt import TargetDistribution, target_distribution
@@ -72,16 +74,18 @@ class HiddenStateSource(Protocol):
 
 
 def draft_target_distribution(
-    last_hidden_state: torch.Tensor, lm_head: torch.Tensor, draft: Eagle3DraftModel, batch: Batch
+    last_hidden_state: torch.Tensor, head: TargetHead, draft: Eagle3DraftModel, batch: Batch
 ) -> TargetDistribution:
-    """The target's distribution on the draft's vocabulary at the positions the loss scores
-    (the same code for both sources)."""
+    """The target's distribution on the draft's vocabulary at the positions the loss scores,
+    with the model's own logit transform (the same code for both sources)."""
     return target_distribution(
-        last_hidden_state,
-        lm_head,
+        last_hidden_state.to(head.lm_head.dtype),
+        head.lm_head,
         hot_ids=draft.hot_ids,
         t2d=draft.t2d,
         rows=scored_positions(batch.loss_mask, batch.attention_mask),
+        bias=head.lm_head_bias,
+        transform=head.transform,
     )
 
 
@@ -118,18 +122,9 @@ class OnlineTarget:
         self.model, self.tokenizer = load_target(cfg.target, device=device)
         set_chat_template(self.tokenizer, cfg.data.chat_template)
         self.generation_config = self.model.generation_config
+        self.head = target_head(self.model)
         self.aux_layer_ids = resolve_aux_layer_ids(
-            cfg.target.aux_layer_ids, self.model.config.num_hidden_layers
-        )
-        self.head = TargetHead(
-            config=self.model.config,
-            embed_tokens=self.model.get_input_embeddings().weight.detach(),
-            lm_head=self.model.get_output_embeddings().weight.detach(),
-            norm=self.model.get_decoder().norm.weight.detach(),
-            last_layer={
-                name: weight.detach()
-                for name, weight in decoder_layers(self.model)[-1].named_parameters()
-            },
+            cfg.target.aux_layer_ids, self.head.config.num_hidden_layers
         )
         if cfg.train.target_sharding == "fsdp" and ranks.world_size > 1:
             shard_decoder_layers(decoder_layers(self.model), device)
@@ -148,9 +143,7 @@ class OnlineTarget:
         states = target_hidden_states(
             self.model, batch.input_ids, batch.attention_mask, aux_layer_ids=self.aux_layer_ids
         )
-        distribution = draft_target_distribution(
-            states.last_hidden_state, self.head.lm_head, draft, batch
-        )
+        distribution = draft_target_distribution(states.last_hidden_state, self.head, draft, batch)
         return states.aux_hidden_states, distribution
 
 
@@ -223,6 +216,9 @@ class OfflineShards:
         check_manifest_matches(
             self.store.manifest, {**expected, "aux_layer_ids": self.aux_layer_ids}, str(directory)
         )
+        measured = self.store.manifest.get("logit_transform")
+        if measured is not None:  # what the capture measured on the whole model
+            self.head.transform = LogitTransform(**measured)
         self.samples = self.store.samples()
         self.pad_id = pad_id_of(self.tokenizer, self.generation_config)
         self.num_workers = cfg.train.num_workers
@@ -247,11 +243,8 @@ class OfflineShards:
 
     @torch.no_grad()
     def states(self, batch: Batch, draft: Eagle3DraftModel):
-        lm_head = self.head.lm_head
-        distribution = draft_target_distribution(
-            batch.last_hidden_state.to(lm_head.dtype), lm_head, draft, batch
-        )
-        return batch.aux_hidden_states.to(lm_head.dtype), distribution
+        distribution = draft_target_distribution(batch.last_hidden_state, self.head, draft, batch)
+        return batch.aux_hidden_states.to(self.head.lm_head.dtype), distribution
 
 
 def hidden_state_source(cfg: SpecForgeConfig, ranks: Distributed, device: str) -> HiddenStateSource:

@@ -52,6 +52,8 @@ def target_distribution(
     t2d: torch.Tensor,
     rows: torch.Tensor | None = None,
     chunk_size: int = 256,
+    bias: torch.Tensor | None = None,
+    transform=None,
 ) -> TargetDistribution:
     """The target's next-token distribution from its final hidden state and ``lm_head``.
 
@@ -66,6 +68,9 @@ def target_distribution(
         rows: optional (B, T) bool, the positions to compute
             (:func:`specforge.data.chat.scored_positions`); the others get zero probabilities,
             argmax ``-1`` and ``in_draft`` False.
+        bias: (V,) the output layer's bias, if it has one.
+        transform: what the model does to ``lm_head``'s output
+            (:class:`specforge.models.adapter.LogitTransform`), if anything.
     """
     batch, length, width = last_hidden_state.shape
     if rows is None:
@@ -76,6 +81,10 @@ def target_distribution(
     for start in range(0, flat.shape[0], chunk_size):
         # (chunk, Ht) @ (Ht, V) -> (chunk, V)
         logits = flat[start : start + chunk_size] @ lm_head_weight.T.to(flat.dtype)
+        if bias is not None:
+            logits = logits + bias.to(logits.dtype)
+        if transform is not None:
+            logits = transform(logits)
         argmax.append(logits.max(-1).indices)  # first maximum, as argmax; faster in bf16
         probs.append(logits[:, hot_ids].float().softmax(-1))
     out_probs = flat.new_zeros(batch, length, len(hot_ids), dtype=torch.float32)

@@ -12,7 +12,8 @@ from specforge.serving.adaptive import (
     expected_tokens,
 )
 from specforge.serving.speculative import AUTO_MAX_DEPTH, SpeculativeDecoder
-from tests.serving.test_speculative import VOCAB, StubDraft, greedy_reference, target  # noqa: F401
+from tests.helpers import StubDraft, greedy_reference
+from tests.serving.test_speculative import VOCAB, target  # noqa: F401
 
 # this CPU's shape (benchmarks/verify_cost.py): 36 ms for one token, a jump at 4 rows
 CPU_COSTS = CostModel(
@@ -69,7 +70,7 @@ def test_auto_depth_is_lossless_and_settles_where_it_pays(target, agree):  # noq
     prompt = torch.randint(0, VOCAB, (1, 6))
     reference = greedy_reference(target, prompt, 120)
     decoder = SpeculativeDecoder(
-        target, StubDraft(reference, wrong_at), aux_layer_ids=[1, 1, 0], num_steps="auto"
+        target, StubDraft(reference, wrong_at, VOCAB), aux_layer_ids=[1, 1, 0], num_steps="auto"
     )
     decoder.costs = CostModel(verify=list(CPU_COSTS.verify), draft_step=CPU_COSTS.draft_step)
     tokens, stats = decoder.generate(prompt, max_new_tokens=120)

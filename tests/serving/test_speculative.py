@@ -4,47 +4,9 @@ import pytest
 import torch
 
 from specforge.serving.speculative import SpeculativeDecoder
-from tests.helpers import make_tiny_llama, tiny_draft
+from tests.helpers import StubDraft, greedy_reference, make_tiny_llama, tiny_draft
 
 VOCAB = 96
-
-
-class StubDraft(torch.nn.Module):
-    """A draft that knows the target's greedy continuation and proposes it, except at the
-    positions ``wrong_at`` chooses (where it proposes a different token)."""
-
-    def __init__(self, reference: list[int], wrong_at):
-        super().__init__()
-        self.reference = reference
-        self.wrong_at = wrong_at
-        self.register_buffer("d2t", torch.zeros(VOCAB, dtype=torch.long))
-
-    def to_target_ids(self, draft_ids):
-        return draft_ids + self.d2t[draft_ids]
-
-    def fuse(self, aux_hidden_states):
-        return aux_hidden_states  # this stub ignores the hidden stream
-
-    def forward(self, input_ids, hidden_states, position_ids, *, cache, attention_mask=None):
-        # position t predicts token t + 2
-        logits = torch.zeros(1, input_ids.shape[1], VOCAB)
-        for i, t in enumerate(position_ids[0].tolist()):
-            token = self.reference[t + 2] if t + 2 < len(self.reference) else 0
-            if self.wrong_at(t):
-                token = (token + 1) % VOCAB
-            logits[0, i, token] = 1.0
-        return logits, torch.zeros(1, input_ids.shape[1], 64)
-
-
-def greedy_reference(target, prompt, max_new_tokens):
-    out = target.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),  # token 0 is data here, not padding
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=None,
-    )
-    return out[0].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +27,10 @@ def test_stub_drafts_are_lossless(target, num_steps, agree):
         prompt = torch.randint(0, VOCAB, (1, 5 + seed))
         reference = greedy_reference(target, prompt, 24)
         decoder = SpeculativeDecoder(
-            target, StubDraft(reference, wrong_at), aux_layer_ids=[1, 1, 0], num_steps=num_steps
+            target,
+            StubDraft(reference, wrong_at, VOCAB),
+            aux_layer_ids=[1, 1, 0],
+            num_steps=num_steps,
         )
         tokens, stats = decoder.generate(prompt, max_new_tokens=24)
         assert tokens == reference[prompt.shape[1] :]
@@ -103,7 +68,7 @@ def test_eos_inside_an_accepted_block_stops_exactly(target):
     stop = reference.index(eos)
     decoder = SpeculativeDecoder(
         target,
-        StubDraft(greedy_reference(target, prompt, 30), lambda t: False),
+        StubDraft(greedy_reference(target, prompt, 30), lambda t: False, VOCAB),
         aux_layer_ids=[1, 1, 0],
         num_steps=5,
     )
@@ -142,7 +107,7 @@ def test_tree_drafting_is_lossless(target, topk, num_steps, num_draft_tokens, ag
         reference = greedy_reference(target, prompt, 20)
         decoder = SpeculativeDecoder(
             target,
-            StubDraft(reference, wrong_at),
+            StubDraft(reference, wrong_at, VOCAB),
             aux_layer_ids=[1, 1, 0],
             num_steps=num_steps,
             topk=topk,
