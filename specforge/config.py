@@ -427,6 +427,12 @@ class BenchConfig:
     prompt_lookup_num_tokens: int = 10
     """Tokens proposed per step by the prompt-lookup baseline; 0 skips that baseline (a third
     of the benchmark's time)."""
+    target_compile: bool = False
+    """The target alone (the baseline ``speedup`` is measured against, and the reference
+    outputs) decodes with a static KV cache and ``torch.compile`` (compiled in the warm-up).
+    Off by default: on this CPU it is 1.30x HF's default on a few fixed prompts
+    (``benchmarks/baseline_decoding.py``) but 0.82x over MT-Bench's multi-turn prompts, where
+    transformers' static cache grows to each longer prompt and recompiles."""
     output: str | None = None
     """Where ``bench.json``, ``bench.md`` and ``bench.png`` go; defaults to
     ``<output_dir>/bench``."""

@@ -426,13 +426,6 @@ class TargetHead:
     transform: LogitTransform = field(default_factory=LogitTransform)
     """What the model does to ``lm_head``'s output (scaling, soft-capping)."""
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's logits from final hidden states (..., H) -> (..., V)."""
-        logits = hidden @ self.lm_head.T.to(hidden.dtype)
-        if self.lm_head_bias is not None:
-            logits = logits + self.lm_head_bias.to(logits.dtype)
-        return self.transform(logits)
-
 
 def _layer_weights(layer: nn.Module, weights: dict[str, torch.Tensor], width: int):
     """``weights`` of a decoder layer with its Llama-named norms replaced by their scales."""

@@ -70,6 +70,7 @@ def build_comparison(cfg: SpecForgeConfig) -> tuple[MethodComparison, Any]:
         prompt_lookup_num_tokens=bc.prompt_lookup_num_tokens,
         eos_token_ids=end_of_turn_ids(tokenizer, target.generation_config),
         pad_token_id=pad_id_of(tokenizer, target.generation_config),
+        target_compile=bc.target_compile,
     )
     return comparison, tokenizer
 

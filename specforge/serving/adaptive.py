@@ -5,12 +5,19 @@ pick the depth that maximises expected tokens per second on this device.
   ``n = 1 .. max_depth + 1`` new tokens after a context, and one draft step; plus the time a
   round spends outside both (a running average of what the runtime measures).
 - **Acceptance** (:class:`AcceptanceEstimate`): the conditional acceptance ``c_k`` of draft
-  position ``k`` given positions ``< k`` were accepted, from exponentially decayed counts. The
-  prior of position ``k`` is the estimate of ``k - 1`` (acceptance rarely rises with depth), so
-  depths never tried are neither ignored nor assumed perfect. A greedy round at depth ``K`` also
-  drafts a ``K + 1``-th token (one cheap draft step) and checks it against the target's bonus
-  token, so the estimate of the next depth keeps learning; at depth 0 the draft's own next-token
-  guess is checked the same way.
+  position ``k`` given positions ``< k`` were accepted, from counts that decay with each new
+  observation of that position (a window of about ``1 / (1 - decay)`` observations, so a
+  position seen rarely keeps what it learnt). The prior of position ``k`` is the estimate of
+  ``k - 1`` (acceptance rarely rises with depth), so depths never tried are neither ignored nor
+  assumed perfect.
+- **Confidence** (:class:`ConfidenceCalibration`, greedy rounds): the draft's own probability
+  ``q`` of the token it proposes, mapped to the acceptance measured for such ``q`` (binned,
+  decayed counts; prior ``q`` itself). A greedy round drafts token by token: the next token's
+  calibrated acceptance replaces ``c_k`` for the positions already drafted, and drafting stops
+  as soon as the best depth under that estimate is no deeper than what is drafted. The
+  candidate it declines costs nothing (its logits came with the last step) and is checked
+  against the target's bonus token when every drafted token was accepted, so the estimates keep
+  learning one position beyond the depth verified.
 - **Choice** (:func:`best_depth`): ``E(K) = 1 + sum_{k<=K} prod_{j<=k} c_j`` tokens per round for
   ``T(K) = verify(K + 1) + K * draft_step + other`` seconds; the ``K`` in
   ``0 .. max_depth`` with the largest ``E / T`` (0 is plain decoding: one target forward,
@@ -80,7 +87,7 @@ class AcceptanceEstimate:
 
     max_depth: int
     decay: float = 0.98
-    """Weight of the past per round (a window of about ``1 / (1 - decay)`` rounds)."""
+    """Weight of a position's past at each new observation of it."""
     prior_weight: float = 2.0
     """Pseudo-counts of each position's prior (the estimate of the position before it)."""
     first_prior: float = 0.5
@@ -103,17 +110,46 @@ class AcceptanceEstimate:
             prior = rate
         return rates
 
+    def _count(self, position: int, hit: bool) -> None:
+        self.reached[position] = self.reached[position] * self.decay + 1.0
+        self.accepted[position] = self.accepted[position] * self.decay + float(hit)
+
     def observe(self, depth: int, accepted: int, lookahead: bool | None = None) -> None:
         """One round: ``accepted`` of ``depth`` draft tokens accepted, and whether the extra
         draft token after them matched the target's bonus (``None``: not checked)."""
-        self.reached = [r * self.decay for r in self.reached]
-        self.accepted = [a * self.decay for a in self.accepted]
         for k in range(1, min(accepted + 1, depth) + 1):
-            self.reached[k] += 1.0
-            self.accepted[k] += float(k <= accepted)
+            self._count(k, k <= accepted)
         if lookahead is not None and accepted == depth and depth < self.max_depth:
-            self.reached[depth + 1] += 1.0
-            self.accepted[depth + 1] += float(lookahead)
+            self._count(depth + 1, lookahead)
+
+
+@dataclass
+class ConfidenceCalibration:
+    """P(a greedy draft token is accepted | the draft's probability ``q`` of it), from decayed
+    counts in ``bins`` equal bins of ``q`` with ``q`` itself as the prior."""
+
+    bins: int = 10
+    decay: float = 0.99
+    """Weight of a bin's past at each new observation in it."""
+    prior_weight: float = 2.0
+    hits: list[float] = field(init=False)
+    counts: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hits = [0.0] * self.bins
+        self.counts = [0.0] * self.bins
+
+    def _bin(self, q: float) -> int:
+        return min(int(q * self.bins), self.bins - 1)
+
+    def acceptance(self, q: float) -> float:
+        b = self._bin(q)
+        return (self.hits[b] + self.prior_weight * q) / (self.counts[b] + self.prior_weight)
+
+    def observe(self, q: float, hit: bool) -> None:
+        b = self._bin(q)
+        self.hits[b] = self.hits[b] * self.decay + float(hit)
+        self.counts[b] = self.counts[b] * self.decay + 1.0
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) -> float:

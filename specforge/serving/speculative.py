@@ -32,7 +32,13 @@ from specforge.errors import UserError
 from specforge.models.adapter import check_logits, serving_refusal, tree_refusal
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
 from specforge.models.target import target_hidden_states
-from specforge.serving.adaptive import AcceptanceEstimate, CostModel, best_depth, calibrate
+from specforge.serving.adaptive import (
+    AcceptanceEstimate,
+    ConfidenceCalibration,
+    CostModel,
+    best_depth,
+    calibrate,
+)
 from specforge.serving.sampling import (
     accept_chain_sampling,
     accept_tree_sampling,
@@ -202,6 +208,8 @@ class SpeculativeDecoder:
         self.device = next(target_model.parameters()).device
         self.estimate = AcceptanceEstimate(num_steps)
         """Running conditional acceptance per draft position (used by ``auto``)."""
+        self.confidence = ConfidenceCalibration()
+        """Acceptance given the draft's own probability of its token (greedy ``auto``)."""
         self.costs: CostModel | None = None
         """This device's round costs (``auto``; measured by :meth:`calibrate`)."""
 
@@ -314,17 +322,21 @@ class SpeculativeDecoder:
         self, next_token, length, draft_logits, hidden, target_cache, draft_cache, stats
     ):
         """One chain round; returns the emitted tokens, accepted count and their aux rows."""
-        # 0. depth: fixed, or the cost-aware choice; greedy auto drafts one token more than it
-        # verifies (or, at depth 0, just the next-token guess) to learn the next depth's odds
-        depth = best_depth(self.estimate.rates(), self.costs) if self.auto else self.num_steps
-        lookahead = self.auto and not self.sampling and depth < self.num_steps
-        # 1. draft
+        # 0-1. depth and draft: fixed, or the cost-aware choice (greedy: token by token, from
+        # the draft's confidence; sampling: from the position estimates)
         start = self._clock()
-        draft_tokens, draft_probs = (None, None)
-        if depth or lookahead:
-            draft_tokens, draft_probs = self.draft(
-                draft_logits, hidden, length - 1, draft_cache, steps=depth + lookahead
+        draft_tokens, draft_probs, probs, candidate = None, None, [], None
+        if self.auto and not self.sampling:
+            draft_tokens, probs, candidate = self._draft_auto(
+                draft_logits, hidden, length - 1, draft_cache
             )
+            depth = len(probs)
+        else:
+            depth = best_depth(self.estimate.rates(), self.costs) if self.auto else self.num_steps
+            if depth:
+                draft_tokens, draft_probs = self.draft(
+                    draft_logits, hidden, length - 1, draft_cache, steps=depth
+                )
         drafted = self._clock()
         # 2. verify: [last token, d_1 .. d_K] at positions length .. length + K
         verify_ids = torch.tensor([next_token], device=self.device)
@@ -344,12 +356,47 @@ class SpeculativeDecoder:
         else:
             accepted, bonus = self.accept(draft_tokens[:depth], target_logits)
         if self.auto:
-            guess = int(draft_tokens[depth]) == bonus if lookahead else None
-            self.estimate.observe(depth, accepted, guess)
+            self._learn(depth, accepted, bonus, probs, candidate)
         stats.depth_per_round.append(depth)
         crop_cache(target_cache, length + 1 + accepted)
         emitted = (draft_tokens[:accepted].tolist() if depth else []) + [bonus]
         return emitted, accepted, aux[:, : accepted + 1]
+
+    def _draft_auto(self, logits: torch.Tensor, hidden: torch.Tensor, position: int, cache):
+        """Greedy ``auto`` drafting, token by token: a token is drafted while the best depth,
+        under the calibrated acceptance of the tokens so far (this one's included) and the
+        position estimates beyond, is deeper than what is drafted; a draft step is taken only
+        while a deeper depth still pays. Returns the tokens (K,) or ``None``, the draft's
+        probability of each, and the declined candidate ``(token, q)`` (``None`` if there was
+        none: depth reached or no step taken)."""
+        rates = self.estimate.rates()
+        tokens, probs, known = [], [], []
+        while True:
+            q, draft_id = logits.float().softmax(-1).max(-1)
+            token, q = self.draft_model.to_target_ids(draft_id[None]), float(q)
+            depth = len(tokens)
+            guess = [*known, self.confidence.acceptance(q), *rates[depth + 1 :]]
+            if best_depth(guess, self.costs) <= depth:
+                return (torch.cat(tokens) if tokens else None), probs, (int(token), q)
+            tokens.append(token)
+            probs.append(q)
+            known.append(guess[depth])
+            depth += 1
+            if depth == self.num_steps or best_depth([*known, *rates[depth:]], self.costs) <= depth:
+                return torch.cat(tokens), probs, None
+            step_position = torch.tensor([[position + depth]], device=self.device)
+            step_logits, hidden = self.draft_model(token[None], hidden, step_position, cache=cache)
+            logits = step_logits[0, -1]
+
+    def _learn(self, depth: int, accepted: int, bonus: int, probs: list[float], candidate):
+        """``auto``'s estimates after a round: the positions reached, the drafted tokens'
+        confidences, and the declined candidate when everything drafted was accepted."""
+        guess = None if candidate is None else candidate[0] == bonus
+        self.estimate.observe(depth, accepted, guess)
+        for k, q in enumerate(probs[: accepted + 1], start=1):
+            self.confidence.observe(q, k <= accepted)
+        if candidate is not None and accepted == depth:
+            self.confidence.observe(candidate[1], guess)
 
     def _plain_token(self, logits: torch.Tensor) -> int:
         """The target's next token from its own logits (a depth-0 round)."""

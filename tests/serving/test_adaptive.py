@@ -6,6 +6,7 @@ import torch
 
 from specforge.serving.adaptive import (
     AcceptanceEstimate,
+    ConfidenceCalibration,
     CostModel,
     best_depth,
     calibrate,
@@ -47,6 +48,16 @@ def test_the_estimate_follows_what_it_observes_and_learns_one_depth_ahead():
     for _ in range(200):
         estimate.observe(depth=2, accepted=0, lookahead=None)
     assert estimate.rates()[0] < 0.05  # recent rounds weigh most (decay)
+
+
+def test_confidence_calibration_starts_at_q_and_learns_each_bin():
+    calibration = ConfidenceCalibration(bins=10)
+    assert calibration.acceptance(0.25) == pytest.approx(0.25)  # the prior is q itself
+    for _ in range(300):
+        calibration.observe(0.05, True)  # low-confidence tokens that are accepted anyway
+        calibration.observe(0.95, False)
+    assert calibration.acceptance(0.05) > 0.9 and calibration.acceptance(0.95) < 0.1
+    assert calibration.acceptance(0.55) == pytest.approx(0.55)  # an untouched bin keeps its prior
 
 
 def test_calibration_times_every_verify_width_and_a_draft_step():

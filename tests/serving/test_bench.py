@@ -32,6 +32,7 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
             "3",
             "--max-new-tokens",
             "12",
+            "--target-compile",  # the compiled baseline's outputs are the reference too
             "--output",
             str(out),
         ]

@@ -1,0 +1,108 @@
+"""The fastest plain decoding the stack offers for the target, on this device: HF ``generate``
+with its dynamic cache (what ``specforge bench`` times as the target alone), with a static
+cache, and with a static cache plus ``torch.compile``; tokens/s and whether each output equals
+the dynamic cache's. JSON + a table.
+
+    python benchmarks/baseline_decoding.py --questions question.jsonl --limit 5
+
+Greedy, batch size 1, the bench's dtype and attention (grouped-query sdpa). Every method is
+warmed up on a short prompt first (compilation happens there, and is reported apart). Run it
+alone: a second CPU-heavy process slows PyTorch many times over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from specforge.config import load_config
+from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
+from specforge.data.questions import load_questions, resolve_question_set
+from specforge.io import write_json_atomic
+from specforge.models.target import load_target, use_grouped_sdpa
+from specforge.serving.bench import compiled_generate_kwargs
+
+
+def method_kwargs(name: str) -> dict:
+    """``generate`` keyword arguments of each decoding method."""
+    if name == "dynamic":
+        return {}
+    if name == "static":
+        return {"cache_implementation": "static", "disable_compile": True}
+    return compiled_generate_kwargs()  # what specforge bench's target alone runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--questions", default="builtin-eval")
+    parser.add_argument("--limit", type=int, default=5, help="first turns of the first N")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--methods", nargs="+", default=["dynamic", "static", "static+compile"])
+    parser.add_argument("--output", default="outputs/bench/baseline_decoding.json")
+    args = parser.parse_args()
+    cfg = load_config(None, [f"target.name_or_path={args.target}", f"target.dtype={args.dtype}"])
+    model, tokenizer = load_target(cfg.target, dtype=args.dtype)
+    use_grouped_sdpa(model)
+    eos = end_of_turn_ids(tokenizer, model.generation_config)
+    pad = pad_id_of(tokenizer, model.generation_config)
+    source = resolve_question_set(args.questions)
+    prompts = [
+        torch.tensor([prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}])])
+        for q in load_questions(source, limit=args.limit)
+    ]
+
+    def generate(ids, name):
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=args.max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            **method_kwargs(name),
+        )
+        return out[0, ids.shape[1] :].tolist()
+
+    rows, reference = [], None
+    for name in args.methods:
+        start = time.perf_counter()
+        generate(prompts[0][:, :16], name)  # warm-up (and compilation)
+        warm_up = time.perf_counter() - start
+        outputs, seconds = [], 0.0
+        for ids in prompts:
+            start = time.perf_counter()
+            outputs.append(generate(ids, name))
+            seconds += time.perf_counter() - start
+        reference = reference or outputs
+        tokens = sum(len(o) for o in outputs)
+        rows.append(
+            {
+                "method": name,
+                "tokens": tokens,
+                "tokens_per_s": round(tokens / seconds, 2),
+                "warm_up_s": round(warm_up, 1),
+                "identical_to_dynamic": outputs == reference,
+            }
+        )
+    base = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["vs_dynamic"] = round(row["tokens_per_s"] / base, 3)
+    write_json_atomic(
+        Path(args.output), {"settings": vars(args) | {"questions": source}, "rows": rows}
+    )
+    print("\n| method | tokens/s | vs dynamic | warm-up s | identical |\n|---|---:|---:|---:|---|")
+    for r in rows:
+        print(
+            f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['vs_dynamic']:.2f}x | "
+            f"{r['warm_up_s']:.1f} | {r['identical_to_dynamic']} |"
+        )
+    print(f"\nwrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Round costs before and after: ``specforge bench`` of an earlier commit (checked out in a git
+worktree) and of this checkout, on the same draft, questions and settings (a short chain and a
+tree), one after the other; prints each run's ``cost`` block side by side and writes JSON.
+
+    python benchmarks/round_overhead.py --before aa758d7 --draft outputs/quickstart/export \\
+        --questions question.jsonl --limit 5
+
+"Outside draft and verify" is everything a round spends besides drafting and the target's
+verification forward: the draft's extension over the accepted tokens, the prefills spread over
+the rounds, and the rest (an earlier commit reports all of it as one ``other_ms_per_round``).
+The current checkout runs without the prompt-lookup baseline and with the earlier commit's
+target baseline (HF generate's dynamic cache), so both speedup columns mean the same. Run it
+alone: a second CPU-heavy process slows PyTorch many times over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from specforge.io import write_json_atomic
+
+REPO = Path(__file__).resolve().parents[1]
+SETTINGS = {
+    "chain-2": ["--num-steps", "2"],
+    "tree 4x5, 16 tokens": ["--num-steps", "5", "--topk", "4", "--num-draft-tokens", "16"],
+}
+OUTSIDE = ("extend_ms_per_round", "prefill_ms_per_round", "other_ms_per_round")
+
+
+def bench(code: Path, out: Path, args, extra: list[str]) -> dict:
+    """``specforge bench`` with the package at ``code``; returns its ``bench.json``."""
+    command = [
+        sys.executable, "-m", "specforge.cli", "bench",
+        "--target", args.target, "--draft", str(Path(args.draft).resolve()),
+        "--questions", str(Path(args.questions).resolve()), "--limit", str(args.limit),
+        "--max-new-tokens", str(args.max_new_tokens), "--output", str(out), *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    subprocess.run(command, cwd=code, env=env, check=True)
+    return json.loads((out / "bench.json").read_text())
+
+
+def outside_ms(cost: dict) -> float:
+    """Per-round time outside drafting and verification, whatever the commit calls its parts."""
+    return sum(cost.get(k, 0.0) for k in OUTSIDE)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, help="the earlier commit")
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--draft", default="outputs/quickstart/export")
+    parser.add_argument("--questions", required=True)
+    parser.add_argument("--limit", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--output", default="outputs/bench/round_overhead")
+    args = parser.parse_args()
+    output = Path(args.output).resolve()  # each bench runs in its own checkout
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        before = Path(scratch) / "before"
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(before), args.before], cwd=REPO, check=True
+        )
+        try:
+            for name, extra in SETTINGS.items():
+                slug = name.split()[0]
+                old = bench(before, output / f"before-{slug}", args, extra)
+                new = bench(
+                    REPO,
+                    output / f"after-{slug}",
+                    args,
+                    [*extra, "--prompt-lookup-num-tokens", "0", "--no-target-compile"],
+                )
+                rows.append({"setting": name, "before": old, "after": new})
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=REPO)
+    summary = []
+    for row in rows:
+        for when in ("before", "after"):
+            result = row[when]
+            cost = result["cost"]
+            summary.append(
+                {
+                    "setting": row["setting"],
+                    "commit": args.before if when == "before" else "this checkout",
+                    "tau": result["tau"],
+                    "speedup": result["speedup"],
+                    "all_match": result["all_match"],
+                    "draft_ms": cost["draft_ms_per_round"],
+                    "verify_ms": cost["verify_ms_per_round"],
+                    "outside_ms": round(outside_ms(cost), 2),
+                    "cost": cost,
+                }
+            )
+    write_json_atomic(output / "round_overhead.json", {"settings": vars(args), "rows": summary})
+    print(
+        "\n| setting | commit | tau | draft ms | verify ms | outside draft+verify ms | "
+        "speedup | identical |\n|---|---|---:|---:|---:|---:|---:|---|"
+    )
+    for r in summary:
+        print(
+            f"| {r['setting']} | {r['commit']} | {r['tau']:.2f} | {r['draft_ms']:.1f} | "
+            f"{r['verify_ms']:.1f} | {r['outside_ms']:.1f} | {r['speedup']:.2f}x | "
+            f"{r['all_match']} |"
+        )
+    print(f"\nwrote {output}/round_overhead.json")
+
+
+if __name__ == "__main__":
+    main()
