@@ -81,6 +81,24 @@ def best_depth(acceptance: list[float], costs: CostModel) -> int:
     return max(range(len(rates)), key=lambda depth: (rates[depth], -depth))
 
 
+class DecayedCounts:
+    """Hits and trials per slot, each slot forgetting its past by ``decay`` at each new
+    observation in it; a slot's rate leans on a prior with ``prior_weight`` pseudo-trials."""
+
+    def __init__(self, slots: int, decay: float, prior_weight: float):
+        self.decay, self.prior_weight = decay, prior_weight
+        self.hits = [0.0] * slots
+        self.trials = [0.0] * slots
+
+    def observe(self, slot: int, hit: bool) -> None:
+        self.hits[slot] = self.hits[slot] * self.decay + float(hit)
+        self.trials[slot] = self.trials[slot] * self.decay + 1.0
+
+    def rate(self, slot: int, prior: float) -> float:
+        weight = self.prior_weight
+        return (self.hits[slot] + weight * prior) / (self.trials[slot] + weight)
+
+
 @dataclass
 class AcceptanceEstimate:
     """Decayed counts of draft positions reached and accepted (see the module docstring)."""
@@ -92,35 +110,27 @@ class AcceptanceEstimate:
     """Pseudo-counts of each position's prior (the estimate of the position before it)."""
     first_prior: float = 0.5
     """The prior acceptance of position 1."""
-    reached: list[float] = field(init=False)
-    accepted: list[float] = field(init=False)
+    counts: DecayedCounts = field(init=False)
+    """Slot ``k``: draft position ``k`` reached (trials) and accepted (hits)."""
 
     def __post_init__(self) -> None:
-        self.reached = [0.0] * (self.max_depth + 1)
-        self.accepted = [0.0] * (self.max_depth + 1)
+        self.counts = DecayedCounts(self.max_depth + 1, self.decay, self.prior_weight)
 
     def rates(self) -> list[float]:
         """``c_1 .. c_max_depth``."""
         rates, prior = [], self.first_prior
         for k in range(1, self.max_depth + 1):
-            rate = (self.accepted[k] + self.prior_weight * prior) / (
-                self.reached[k] + self.prior_weight
-            )
-            rates.append(rate)
-            prior = rate
+            prior = self.counts.rate(k, prior)
+            rates.append(prior)
         return rates
-
-    def _count(self, position: int, hit: bool) -> None:
-        self.reached[position] = self.reached[position] * self.decay + 1.0
-        self.accepted[position] = self.accepted[position] * self.decay + float(hit)
 
     def observe(self, depth: int, accepted: int, lookahead: bool | None = None) -> None:
         """One round: ``accepted`` of ``depth`` draft tokens accepted, and whether the extra
         draft token after them matched the target's bonus (``None``: not checked)."""
         for k in range(1, min(accepted + 1, depth) + 1):
-            self._count(k, k <= accepted)
+            self.counts.observe(k, k <= accepted)
         if lookahead is not None and accepted == depth and depth < self.max_depth:
-            self._count(depth + 1, lookahead)
+            self.counts.observe(depth + 1, lookahead)
 
 
 @dataclass
@@ -132,24 +142,19 @@ class ConfidenceCalibration:
     decay: float = 0.99
     """Weight of a bin's past at each new observation in it."""
     prior_weight: float = 2.0
-    hits: list[float] = field(init=False)
-    counts: list[float] = field(init=False)
+    counts: DecayedCounts = field(init=False)
 
     def __post_init__(self) -> None:
-        self.hits = [0.0] * self.bins
-        self.counts = [0.0] * self.bins
+        self.counts = DecayedCounts(self.bins, self.decay, self.prior_weight)
 
     def _bin(self, q: float) -> int:
         return min(int(q * self.bins), self.bins - 1)
 
     def acceptance(self, q: float) -> float:
-        b = self._bin(q)
-        return (self.hits[b] + self.prior_weight * q) / (self.counts[b] + self.prior_weight)
+        return self.counts.rate(self._bin(q), prior=q)
 
     def observe(self, q: float, hit: bool) -> None:
-        b = self._bin(q)
-        self.hits[b] = self.hits[b] * self.decay + float(hit)
-        self.counts[b] = self.counts[b] * self.decay + 1.0
+        self.counts.observe(self._bin(q), hit)
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) -> float:
