@@ -162,9 +162,10 @@ class SpeculativeDecoder:
             target_model: the HF target (eval mode).
             draft_model: the draft (e.g. from :func:`load_exported_draft`).
             aux_layer_ids: the target layers the draft was trained on.
-            num_steps: draft depth (tokens per chain), or ``"auto"``: before each round the
-                depth in ``0 .. AUTO_MAX_DEPTH`` with the most expected tokens per second
-                (:mod:`specforge.serving.adaptive`; chains only).
+            num_steps: draft depth (tokens per chain), or ``"auto"``: each round the depth in
+                ``0 .. AUTO_MAX_DEPTH`` with the most expected tokens per second, decided token
+                by token from the draft's calibrated confidence when greedy, from the position
+                estimates when sampling (:mod:`specforge.serving.adaptive`; chains only).
             topk: branches per step; 1 drafts a chain.
             num_draft_tokens: tree size including the root (tree drafting only).
             temperature: 0 verifies greedily; > 0 samples (lossless rejection sampling).
