@@ -378,6 +378,7 @@ class SpeculativeDecoder:
             depth = len(tokens)
             guess = [*known, self.confidence.acceptance(q), *rates[depth + 1 :]]
             if best_depth(guess, self.costs) <= depth:
+                # K x (1,) -> (K,)
                 return (torch.cat(tokens) if tokens else None), probs, (int(token), q)
             tokens.append(token)
             probs.append(q)

@@ -199,6 +199,7 @@ def tree_attention(model, positions: torch.Tensor, visible: torch.Tensor, prefix
     base = mapping[implementation]
     device = positions.device
     # cache index -> position: the prefix sits at its own indices, the new tokens at theirs
+    # (prefix,) + (N,) -> (prefix + N,)
     position_of = torch.cat([torch.arange(prefix, device=device), positions.to(device)])
     calls = []
 
