@@ -270,7 +270,8 @@ def recurrent_layers(model: nn.Module) -> str | None:
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
-    cache = model(input_ids=torch.ones(1, 2, dtype=torch.long, device=device)).past_key_values
+    ids = torch.ones(1, 2, dtype=torch.long, device=device)
+    cache = model(input_ids=ids, use_cache=True).past_key_values
     linear = [i for i, flag in enumerate(getattr(cache, "is_linear", [])) if flag]
     if isinstance(cache, DynamicCache) and not linear:
         return None

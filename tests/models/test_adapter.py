@@ -14,6 +14,7 @@ from specforge.models.adapter import (
     final_norm,
     find_decoder,
     norm_eps,
+    serving_refusal,
     tree_refusal,
 )
 from specforge.models.eagle3 import Eagle3Config
@@ -183,3 +184,9 @@ def test_attention_implementation_is_configurable_and_checked(tmp_path):
         TargetConfig(name_or_path=str(folder), dtype="float32", attn_implementation="eager")
     )
     assert eager.config._attn_implementation == "eager"
+
+
+def test_a_target_configured_without_cache_is_still_served(tmp_path):
+    model, _ = tiny("llama", tmp_path)
+    model.config.use_cache = False  # the probe asks for the cache explicitly
+    assert serving_refusal(model) is None
