@@ -117,6 +117,11 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
         calibration = {
             **decoder.costs.as_dict(),
             "final_acceptance_estimate": [round(r, 4) for r in decoder.estimate.rates()],
+            # greedy: measured acceptance at the centre of each bin of the draft's confidence
+            "acceptance_by_confidence": [
+                round(decoder.confidence.acceptance((b + 0.5) / decoder.confidence.bins), 3)
+                for b in range(decoder.confidence.bins)
+            ],
         }
     result = bench_report(tally, bench_settings(cfg, questions_source), calibration)
     write_report(result, cfg.bench_dir)
