@@ -30,7 +30,7 @@ ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attenti
 
 TREE_ATTENTION = {"sdpa", "eager", "flex_attention"}
 """Attention implementations whose masks are built from a mask function (which tree
-verification remaps, see :mod:`specforge.serving.tree_masks`)."""
+verification remaps, see :func:`specforge.serving.tree.tree_attention`)."""
 
 
 def architecture(config) -> str:
