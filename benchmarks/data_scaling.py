@@ -55,17 +55,26 @@ def grow_corpus(args, output: Path, size: int) -> dict:
     copied = output / "gsm8k.jsonl"
     gsm8k_rows = len(copied.read_text().splitlines()) if copied.exists() else 0
     synthesized = len(read_jsonl(output / "corpus.prompts.jsonl"))
+    # the growth step under way, recorded before it runs: a rerun after an interruption
+    # finishes that step instead of planning another on top of it
+    plan_file = output / "grow.json"
     first = not (output / "corpus.stats.json").exists()
     while first or assistant_tokens(output) < size:
         have, first = assistant_tokens(output), False
-        conversations = max(len(read_jsonl(output / "corpus.jsonl")), 1)
-        more = int((size - have) / max(have / conversations, 100) * 1.1) + 1 if have else 0
-        # half the new conversations from GSM8K (while it lasts), the rest synthesized
-        from_gsm8k = min(len(gsm8k) - gsm8k_rows, (more + 1) // 2)
-        if from_gsm8k:
+        plan = json.loads(plan_file.read_text()) if plan_file.exists() else {}
+        if plan.get("have") == have and plan.get("size") == size:
+            gsm8k_rows, synthesized = plan["gsm8k_rows"], plan["synthesized"]
+        else:
+            conversations = max(len(read_jsonl(output / "corpus.jsonl")), 1)
+            more = int((size - have) / max(have / conversations, 100) * 1.1) + 1 if have else 0
+            # half the new conversations from GSM8K (while it lasts), the rest synthesized
+            from_gsm8k = min(len(gsm8k) - gsm8k_rows, (more + 1) // 2)
             gsm8k_rows += from_gsm8k
+            synthesized += more - from_gsm8k
+            plan = {"size": size, "have": have, "gsm8k_rows": gsm8k_rows}
+            write_json_atomic(plan_file, {**plan, "synthesized": synthesized})
+        if gsm8k_rows:
             copied.write_text("".join(gsm8k[:gsm8k_rows]))
-        synthesized += more - from_gsm8k
         prepare(
             load_config(DEFAULT_RECIPE, corpus_overrides(args, output, gsm8k_rows, synthesized))
         )

@@ -181,7 +181,9 @@ class StubDraft(torch.nn.Module):
     def fuse(self, aux_hidden_states):
         return aux_hidden_states  # this stub ignores the hidden stream
 
-    def forward(self, input_ids, hidden_states, position_ids, *, cache, attention_mask=None):
+    def forward(
+        self, input_ids, hidden_states, position_ids, *, cache, attention_mask=None, logits_to_keep=0
+    ):
         # position t predicts token t + 2
         logits = torch.zeros(1, input_ids.shape[1], self.vocab_size)
         for i, t in enumerate(position_ids[0].tolist()):
@@ -189,7 +191,7 @@ class StubDraft(torch.nn.Module):
             if self.wrong_at(t):
                 token = (token + 1) % self.vocab_size
             logits[0, i, token] = 1.0
-        return logits, torch.zeros(1, input_ids.shape[1], 64)
+        return logits[:, -logits_to_keep:], torch.zeros(1, input_ids.shape[1], 64)
 
 
 def greedy_reference(target, prompt, max_new_tokens):

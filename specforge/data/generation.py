@@ -12,11 +12,11 @@ every step (``torch.cat``). Here:
    slot is reclaimed when enough rows are done (or new prompts wait), in one compaction that
    also drops the columns only padding fills.
 
-Keys/values live in :class:`GrowingKVLayer` buffers with spare columns: a step writes in place
-instead of re-allocating the cache. Greedy rows take the argmax; sampled rows draw from the
-temperature / top-p warped distribution with a generator of their own (seeded per request), so
-a request's answer does not depend on which other requests share its batch. The generated token
-ids are returned as the target produced them.
+Keys/values live in :class:`~specforge.models.kv_cache.GrowingKVLayer` buffers with spare
+columns: a step writes in place instead of re-allocating the cache. Greedy rows take the
+argmax; sampled rows draw from the temperature / top-p warped distribution with a generator of
+their own (seeded per request), so a request's answer does not depend on which other requests
+share its batch. The generated token ids are returned as the target produced them.
 
 Works for decoder-only HF models whose cache is a per-layer ``keys``/``values`` pair (the
 Llama family and most others); recurrent or sliding-window caches need the ``static`` backend.
@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
-
 from specforge.data.chat import left_padded
+from specforge.models.kv_cache import growing_cache
 
 
 def warp_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -47,56 +46,6 @@ def warp_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> 
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
-
-
-class GrowingKVLayer(DynamicLayer):
-    """A cache layer whose keys/values sit in buffers with spare columns: appending writes in
-    place (``keys``/``values`` are views), and the buffers grow by :attr:`SPARE` columns."""
-
-    SPARE = 128
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self.length = 0
-        self.key_buffer: torch.Tensor | None = None
-        self.value_buffer: torch.Tensor | None = None
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        new = key_states.shape[-2]
-        if self.key_buffer is None or self.length + new > self.key_buffer.shape[-2]:
-            self._grow(key_states, value_states, self.length + new + self.SPARE)
-        end = self.length + new
-        self.key_buffer[:, :, self.length : end] = key_states
-        self.value_buffer[:, :, self.length : end] = value_states
-        self.length = end
-        self.keys = self.key_buffer[:, :, :end]
-        self.values = self.value_buffer[:, :, :end]
-        return self.keys, self.values
-
-    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
-        # (B, H, S, D) buffers with S = capacity; earlier columns copied once
-        keys = key_states.new_empty(*key_states.shape[:2], capacity, key_states.shape[-1])
-        values = value_states.new_empty(*value_states.shape[:2], capacity, value_states.shape[-1])
-        if self.length:
-            keys[:, :, : self.length] = self.key_buffer[:, :, : self.length]
-            values[:, :, : self.length] = self.value_buffer[:, :, : self.length]
-        self.key_buffer, self.value_buffer = keys, values
-
-    def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Start over from ``keys``/``values`` (B, H, S, D) (after a compaction or a join)."""
-        self.key_buffer = self.value_buffer = None
-        self.length = 0
-        self.update(keys, values)
-
-    def get_seq_length(self) -> int:
-        return self.length if self.is_initialized else 0
-
-
-def growing_cache() -> Cache:
-    """An HF cache made of :class:`GrowingKVLayer` layers."""
-    return Cache(layer_class_to_replicate=GrowingKVLayer)
 
 
 def _pad_left(tensor: torch.Tensor, columns: int, dim: int) -> torch.Tensor:

@@ -39,6 +39,7 @@ from transformers.models.llama.modeling_llama import (
 
 from specforge.data.vocab import hot_ids
 from specforge.errors import UserError
+from specforge.models.kv_cache import GrowingKVLayer
 
 FROZEN_WEIGHTS = ("embed_tokens.weight",)
 """The draft's frozen copy of the target embedding: never saved in checkpoints or (at equal
@@ -150,32 +151,24 @@ class Eagle3Config:
             raise UserError(f"{where}: not a valid draft config: {err}") from None
 
 
-@dataclass
 class DraftKVCache:
-    """Keys/values of the draft's single layer for incremental decoding (post-RoPE)."""
+    """Keys/values of the draft's single layer for incremental decoding (post-RoPE), appended
+    in place (a :class:`~specforge.models.kv_cache.GrowingKVLayer`)."""
 
-    keys: torch.Tensor | None = None
-    """(B, num_key_value_heads, S, head_dim)"""
-    values: torch.Tensor | None = None
+    def __init__(self) -> None:
+        self.layer = GrowingKVLayer()
 
     @property
     def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return self.layer.get_seq_length()
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            # (B, Hkv, S, D) + (B, Hkv, T, D) -> (B, Hkv, S + T, D)
-            self.keys = torch.cat([self.keys, keys], dim=2)
-            self.values = torch.cat([self.values, values], dim=2)
-        return self.keys, self.values
+        """Add (B, num_key_value_heads, T, head_dim) keys/values; returns all cached ones."""
+        return self.layer.update(keys, values)
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` cached positions (drop rejected draft tokens)."""
-        if self.keys is not None:
-            self.keys = self.keys[:, :, :length]
-            self.values = self.values[:, :, :length]
+        self.layer.crop(min(length - self.length, 0))
 
 
 @dataclass
@@ -235,9 +228,10 @@ class Eagle3Attention(nn.Module):
             new, total = q.shape[2], keys.shape[2]
             # (T_new, S_total): new position i sees cached keys and new keys <= i
             attention_mask = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(past)
-        keys = repeat_kv(keys, self.num_heads // self.num_kv_heads)
-        values = repeat_kv(values, self.num_heads // self.num_kv_heads)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask)
+        # grouped-query heads share their key/value head inside the kernel (no repeat copy)
+        attn = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=attention_mask, enable_gqa=True
+        )
         return self._output(attn)
 
     def forward_ttt(
@@ -348,6 +342,7 @@ class Eagle3DraftModel(nn.Module):
         *,
         cache: DraftKVCache,
         attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One incremental draft step over ``T`` new positions (the serving path).
 
@@ -359,10 +354,12 @@ class Eagle3DraftModel(nn.Module):
             cache: keys/values of earlier positions; extended in place.
             attention_mask: optional bool (B, 1, T, S + T) "may attend" mask (trees); causal
                 over cache + new positions when ``None``.
+            logits_to_keep: logits of the last this many positions only (0: all), as HF's
+                argument of that name (an extension needs its last position's alone).
 
         Returns:
-            ``(logits (B, T, draft_vocab_size), hidden (B, T, H))``; ``hidden`` is the pre-norm
-            residual stream handed to the next step.
+            ``(logits (B, T or logits_to_keep, draft_vocab_size), hidden (B, T, H))``;
+            ``hidden`` is the pre-norm residual stream handed to the next step.
         """
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
@@ -371,7 +368,7 @@ class Eagle3DraftModel(nn.Module):
             return self.midlayer.self_attn(x, cos, sin, cache=cache, attention_mask=attention_mask)
 
         hidden = self.midlayer(embeds, hidden, cos, sin, attend)
-        return self.logits(hidden), hidden
+        return self.logits(hidden[:, -logits_to_keep:]), hidden
 
     def ttt_step(
         self,

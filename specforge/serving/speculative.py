@@ -31,6 +31,7 @@ from specforge.data.generation import warp_probs
 from specforge.errors import UserError
 from specforge.models.adapter import check_logits, serving_refusal, tree_refusal
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
+from specforge.models.kv_cache import growing_cache
 from specforge.models.target import target_hidden_states
 from specforge.serving.adaptive import (
     AcceptanceEstimate,
@@ -129,17 +130,19 @@ def crop_cache(cache, length: int) -> None:
 
 
 def gather_cache(cache, prefix: int, rows: list[int]) -> None:
-    """Keep the first ``prefix`` positions of every layer of an HF ``DynamicCache`` and, after
-    them, positions ``prefix + r`` for ``r`` in ``rows`` (increasing); the rest is dropped. Only
-    the kept rows move (into place, then a crop), not the whole cache."""
-    index = torch.tensor([prefix + r for r in rows], dtype=torch.long)
+    """Keep the first ``prefix`` positions of every layer of an HF cache and, after them,
+    positions ``prefix + r`` for ``r`` in ``rows`` (increasing); the rest is dropped. Rows
+    already in their slot stay; the others move into place, then the cache is cropped."""
+    moved = next((slot for slot, row in enumerate(rows) if row != slot), len(rows))
     end = prefix + len(rows)
-    for layer in cache.layers:
-        index = index.to(layer.keys.device)
-        # the source rows are gathered first, so overlapping slots are safe
-        layer.keys[:, :, prefix:end] = layer.keys[:, :, index]
-        layer.values[:, :, prefix:end] = layer.values[:, :, index]
-        layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
+    if moved < len(rows):
+        index = torch.tensor([prefix + r for r in rows[moved:]], dtype=torch.long)
+        for layer in cache.layers:
+            index = index.to(layer.keys.device)
+            # the source rows are gathered first, so overlapping slots are safe
+            layer.keys[:, :, prefix + moved : end] = layer.keys[:, :, index]
+            layer.values[:, :, prefix + moved : end] = layer.values[:, :, index]
+    crop_cache(cache, end)
 
 
 class SpeculativeDecoder:
@@ -219,11 +222,9 @@ class SpeculativeDecoder:
         """Measure :attr:`costs` after a ``context``-token prefix (``input_ids`` (1, T)
         repeated): the target's forward over 1 .. ``num_steps + 1`` new tokens, one draft
         step."""
-        from transformers import DynamicCache
-
         ids = input_ids.to(self.device).repeat(1, -(-context // input_ids.shape[1]))[:, :context]
-        target_cache, draft_cache = DynamicCache(), DraftKVCache()
-        _, aux = self._target_forward(ids, target_cache)
+        target_cache, draft_cache = growing_cache(), DraftKVCache()
+        _, aux = self._target_forward(ids, target_cache, logits_to_keep=1)
         logits, hidden = self._draft_extend(ids[:, 1:], aux[:, :-1], 0, draft_cache)
         token = ids[:, -1:]
 
@@ -242,10 +243,11 @@ class SpeculativeDecoder:
     # -- the target --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _target_forward(self, input_ids: torch.Tensor, cache, positions=None):
+    def _target_forward(self, input_ids: torch.Tensor, cache, positions=None, logits_to_keep=0):
         """Target logits (T, V) and fused-aux inputs (1, T, 3 * Ht) for new tokens ``input_ids``
         (1, T), extending ``cache`` (tree verification passes positions, inside
-        :func:`tree_attention`)."""
+        :func:`tree_attention`). ``logits_to_keep``: logits of the last this many positions
+        only (0: all; a prefill needs its last alone, as HF's ``generate`` computes)."""
         states = target_hidden_states(
             self.target,
             input_ids,
@@ -253,7 +255,7 @@ class SpeculativeDecoder:
             past_key_values=cache,
             position_ids=positions,
         )
-        logits = self.target.get_output_embeddings()(states.last_hidden_state[0])
+        logits = self.target.get_output_embeddings()(states.last_hidden_state[0, -logits_to_keep:])
         return self.transform(logits.float()), states.aux_hidden_states
 
     # -- the draft ---------------------------------------------------------------------------
@@ -264,7 +266,7 @@ class SpeculativeDecoder:
         target feature at ``t`` each); returns the last position's logits and hidden state."""
         positions = torch.arange(start, start + tokens.shape[1], device=self.device)[None]
         logits, hidden = self.draft_model(
-            tokens, self.draft_model.fuse(aux), positions, cache=cache
+            tokens, self.draft_model.fuse(aux), positions, cache=cache, logits_to_keep=1
         )
         return logits[0, -1], hidden[:, -1:]
 
@@ -455,8 +457,6 @@ class SpeculativeDecoder:
         Returns:
             The new token ids (EOS included when generated) and the round statistics.
         """
-        from transformers import DynamicCache
-
         input_ids = input_ids.to(self.device)
         if self.auto and self.costs is None:
             self.calibrate(input_ids)  # once per decoder, before anything is timed
@@ -465,9 +465,10 @@ class SpeculativeDecoder:
         eos = set(eos_token_ids)
         prompt_length = input_ids.shape[1]
         # prefill: the target over the prompt, then the draft over its features
-        target_cache, draft_cache = DynamicCache(), DraftKVCache()
+        # both caches append in place (spare columns) and crop by moving their end
+        target_cache, draft_cache = growing_cache(), DraftKVCache()
         self.generator = generator
-        logits, aux = self._target_forward(input_ids, target_cache)
+        logits, aux = self._target_forward(input_ids, target_cache, logits_to_keep=1)
         next_token = self._plain_token(logits[-1])
         output = [next_token]
         tokens = torch.cat([input_ids[:, 1:], torch.tensor([[next_token]], device=self.device)], 1)

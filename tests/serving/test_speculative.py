@@ -155,16 +155,26 @@ def test_bad_tree_settings_are_rejected(target):
         )
 
 
-def test_gather_cache_keeps_the_prefix_and_the_accepted_rows_in_order():
+@pytest.mark.parametrize("kind", ["dynamic", "growing"])
+@pytest.mark.parametrize(
+    "rows", [[0, 2, 3], [0, 1], [0]], ids=["rows move", "rows in place", "root only"]
+)
+def test_gather_cache_keeps_the_prefix_and_the_accepted_rows_in_order(kind, rows):
     from transformers import DynamicCache
 
+    from specforge.models.kv_cache import growing_cache
     from specforge.serving.speculative import gather_cache
 
-    cache = DynamicCache()
+    cache = DynamicCache() if kind == "dynamic" else growing_cache()
     keys = torch.arange(2 * 3 * 9 * 4, dtype=torch.float32).reshape(2, 3, 9, 4)
     cache.update(keys.clone(), -keys.clone(), 0)
-    gather_cache(cache, 5, [0, 2, 3])  # a root at 5 and tree rows 7, 8 accepted
-    expected = keys[:, :, [0, 1, 2, 3, 4, 5, 7, 8]]
+    gather_cache(cache, 5, rows)  # a root at 5 and the accepted tree rows after it
+    expected = keys[:, :, [0, 1, 2, 3, 4, *[5 + r for r in rows]]]
     assert torch.equal(cache.layers[0].keys, expected)
     assert torch.equal(cache.layers[0].values, -expected)
-    assert cache.get_seq_length() == 8
+    assert cache.get_seq_length() == 5 + len(rows)
+    # the next append lands right after the kept rows
+    more = torch.full((2, 3, 1, 4), -1.0)
+    cache.update(more, -more, 0)
+    assert torch.equal(cache.layers[0].keys, torch.cat([expected, more], 2))
+    assert cache.get_seq_length() == 6 + len(rows)

@@ -1,0 +1,70 @@
+"""KV caches that append in place: buffers with spare columns, the cached positions a view of
+their first columns, a crop only moving the end. Self-distillation's continuous batching and
+the speculative runtime (target and draft) extend and crop their caches every step; an HF
+``DynamicCache`` re-allocates the whole cache at every append (``torch.cat``)."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class GrowingKVLayer(DynamicLayer):
+    """A cache layer whose keys/values sit in buffers with spare columns: appending writes in
+    place (``keys``/``values`` are views), and the buffers grow by :attr:`SPARE` columns."""
+
+    SPARE = 128
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.length = 0
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        if self.key_buffer is None or self.length + new > self.key_buffer.shape[-2]:
+            self._grow(key_states, value_states, self.length + new + self.SPARE)
+        end = self.length + new
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys = self.key_buffer[:, :, :end]
+        self.values = self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        # (B, H, S, D) buffers with S = capacity; earlier columns copied once
+        keys = key_states.new_empty(*key_states.shape[:2], capacity, key_states.shape[-1])
+        values = value_states.new_empty(*value_states.shape[:2], capacity, value_states.shape[-1])
+        if self.length:
+            keys[:, :, : self.length] = self.key_buffer[:, :, : self.length]
+            values[:, :, : self.length] = self.value_buffer[:, :, : self.length]
+        self.key_buffer, self.value_buffer = keys, values
+
+    def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Start over from ``keys``/``values`` (B, H, S, D) (after a compaction or a join)."""
+        self.key_buffer = self.value_buffer = None
+        self.length = 0
+        self.update(keys, values)
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` positions (HF's convention: a negative count);
+        the buffers keep their columns for the next append."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of positions, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or not self.is_initialized or self.key_buffer is None:
+            return
+        self.length = max(self.length + tokens_to_remove, 0)
+        self.keys = self.key_buffer[:, :, : self.length]
+        self.values = self.value_buffer[:, :, : self.length]
+
+
+def growing_cache() -> Cache:
+    """An HF cache made of :class:`GrowingKVLayer` layers."""
+    return Cache(layer_class_to_replicate=GrowingKVLayer)
