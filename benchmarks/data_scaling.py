@@ -45,6 +45,26 @@ def assistant_tokens(output: Path) -> int:
     return json.loads(stats.read_text())["tokens"]["assistant_tokens"] if stats.exists() else 0
 
 
+def frozen_assistant_tokens(data: Path) -> int:
+    """The assistant (loss) tokens of one size's frozen conversations, tokenized as prepare
+    and training tokenize them."""
+    from specforge.data.chat import set_chat_template, tokenize_conversations
+    from specforge.data.conversations import Conversation
+    from specforge.models.target import load_tokenizer
+
+    cfg = load_config(DEFAULT_RECIPE, [])
+    tokenizer = load_tokenizer(cfg.target)
+    set_chat_template(tokenizer, cfg.data.chat_template)
+    conversations = [Conversation.from_record(r) for r in read_jsonl(data)]
+    _, stats = tokenize_conversations(
+        tokenizer,
+        conversations,
+        max_length=cfg.data.max_length,
+        system_prompt=cfg.data.system_prompt,
+    )
+    return stats.assistant_tokens
+
+
 def grow_corpus(args, output: Path, size: int) -> dict:
     """Self-distill more conversations until the corpus holds ``size`` assistant tokens: the
     built-in prompts, then the first GSM8K rows (copied to ``OUTPUT/gsm8k.jsonl``, so ids stay
@@ -89,7 +109,11 @@ def train_and_bench(args, output: Path, size: int, corpus: Path) -> dict:
     run = output / f"size_{size}"
     result_path = run / "result.json"
     if result_path.exists():
-        return json.loads(result_path.read_text())
+        result = json.loads(result_path.read_text())
+        if "assistant_tokens" not in result:  # a result written before the count was kept
+            result["assistant_tokens"] = frozen_assistant_tokens(run / "conversations.jsonl")
+            write_json_atomic(result_path, result)
+        return result
     run.mkdir(parents=True, exist_ok=True)
     data = run / "conversations.jsonl"
     shutil.copyfile(corpus, data)  # this size's conversations, frozen
@@ -117,6 +141,7 @@ def train_and_bench(args, output: Path, size: int, corpus: Path) -> dict:
     measured = bench(cfg)
     result = {
         "size": size,
+        "assistant_tokens": frozen_assistant_tokens(data),
         "conversations": conversations,
         "train_steps": steps,
         "train_seconds": round(train_s, 1),
@@ -168,10 +193,8 @@ def main() -> None:
     output.mkdir(parents=True, exist_ok=True)
     rows = []
     for size in sorted(args.sizes):
-        stats = grow_corpus(args, output, size)
-        row = train_and_bench(args, output, size, output / "corpus.jsonl")
-        row["assistant_tokens"] = stats["tokens"]["assistant_tokens"]
-        rows.append(row)
+        grow_corpus(args, output, size)
+        rows.append(train_and_bench(args, output, size, output / "corpus.jsonl"))
         write_json_atomic(output / "data_scaling.json", {"settings": vars(args), "rows": rows})
     plot(rows, output / "data_scaling.png")
     print("\n| assistant tokens | conversations | steps | eval acc_0 | tau_pred | MT-Bench tau | "
