@@ -1,7 +1,9 @@
 """The fastest plain decoding the stack offers for the target, on this device: HF ``generate``
 with its dynamic cache (what ``specforge bench`` times as the target alone), with a static
-cache, and with a static cache plus ``torch.compile``; tokens/s and whether each output equals
-the dynamic cache's. JSON + a table.
+cache, with a static cache plus ``torch.compile``, and a hand-written greedy loop (``loop``:
+one forward per token on the speculative runtime's in-place cache, the last position's logits
+only, none of ``generate``'s machinery); tokens/s and whether each output equals the dynamic
+cache's. JSON + a table.
 
     python benchmarks/baseline_decoding.py --questions question.jsonl --limit 5
 
@@ -22,8 +24,23 @@ from specforge.config import load_config
 from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.questions import load_questions, resolve_question_set
 from specforge.io import write_json_atomic
+from specforge.models.kv_cache import growing_cache
 from specforge.models.target import load_target, use_grouped_sdpa
 from specforge.serving.bench import compiled_generate_kwargs
+
+
+@torch.no_grad()
+def plain_loop(model, ids: torch.Tensor, max_new_tokens: int, eos: list[int]) -> list[int]:
+    """Greedy decoding by hand: the forward the speculative runtime verifies with, one token
+    at a time."""
+    cache, out = growing_cache(), []
+    logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    while True:
+        out.append(int(logits[0, -1].argmax()))
+        if out[-1] in eos or len(out) >= max_new_tokens:
+            return out
+        step = torch.tensor([[out[-1]]], device=ids.device)
+        logits = model(step, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
 
 
 def method_kwargs(name: str) -> dict:
@@ -42,7 +59,9 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=5, help="first turns of the first N")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--methods", nargs="+", default=["dynamic", "static", "static+compile"])
+    parser.add_argument(
+        "--methods", nargs="+", default=["dynamic", "static", "static+compile", "loop"]
+    )
     parser.add_argument("--output", default="outputs/bench/baseline_decoding.json")
     args = parser.parse_args()
     cfg = load_config(None, [f"target.name_or_path={args.target}", f"target.dtype={args.dtype}"])
@@ -57,6 +76,8 @@ def main() -> None:
     ]
 
     def generate(ids, name):
+        if name == "loop":
+            return plain_loop(model, ids, args.max_new_tokens, eos)
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
