@@ -182,7 +182,14 @@ class StubDraft(torch.nn.Module):
         return aux_hidden_states  # this stub ignores the hidden stream
 
     def forward(
-        self, input_ids, hidden_states, position_ids, *, cache, attention_mask=None, logits_to_keep=0
+        self,
+        input_ids,
+        hidden_states,
+        position_ids,
+        *,
+        cache,
+        attention_mask=None,
+        logits_to_keep=0,
     ):
         # position t predicts token t + 2
         logits = torch.zeros(1, input_ids.shape[1], self.vocab_size)

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers.cache_utils import Cache
+
 from specforge.data.chat import left_padded
 from specforge.models.kv_cache import growing_cache
 
