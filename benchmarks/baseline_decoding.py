@@ -22,9 +22,9 @@ import torch
 
 from specforge.config import load_config
 from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
+from specforge.data.kv_cache import growing_cache
 from specforge.data.questions import load_questions, resolve_question_set
 from specforge.io import write_json_atomic
-from specforge.models.kv_cache import growing_cache
 from specforge.models.target import load_target, use_grouped_sdpa
 from specforge.serving.bench import compiled_generate_kwargs
 

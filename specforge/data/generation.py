@@ -12,7 +12,7 @@ every step (``torch.cat``). Here:
    slot is reclaimed when enough rows are done (or new prompts wait), in one compaction that
    also drops the columns only padding fills.
 
-Keys/values live in :class:`~specforge.models.kv_cache.GrowingKVLayer` buffers with spare
+Keys/values live in :class:`~specforge.data.kv_cache.GrowingKVLayer` buffers with spare
 columns: a step writes in place instead of re-allocating the cache. Greedy rows take the
 argmax; sampled rows draw from the temperature / top-p warped distribution with a generator of
 their own (seeded per request), so a request's answer does not depend on which other requests
@@ -32,7 +32,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from specforge.data.chat import left_padded
-from specforge.models.kv_cache import growing_cache
+from specforge.data.kv_cache import growing_cache
 
 
 def warp_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 import torch
 
 from specforge.data.generation import warp_probs
+from specforge.data.kv_cache import growing_cache
 from specforge.errors import UserError
 from specforge.models.adapter import check_logits, serving_refusal, tree_refusal
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
-from specforge.models.kv_cache import growing_cache
 from specforge.models.target import target_hidden_states
 from specforge.serving.adaptive import (
     AcceptanceEstimate,

@@ -162,7 +162,7 @@ def test_bad_tree_settings_are_rejected(target):
 def test_gather_cache_keeps_the_prefix_and_the_accepted_rows_in_order(kind, rows):
     from transformers import DynamicCache
 
-    from specforge.models.kv_cache import growing_cache
+    from specforge.data.kv_cache import growing_cache
     from specforge.serving.speculative import gather_cache
 
     cache = DynamicCache() if kind == "dynamic" else growing_cache()
