@@ -19,7 +19,8 @@ pick the depth that maximises expected tokens per second on this device.
   against the target's bonus token when every drafted token was accepted, so the estimates keep
   learning one position beyond the depth verified.
 - **Choice** (:func:`best_depth`): ``E(K) = 1 + sum_{k<=K} prod_{j<=k} c_j`` tokens per round for
-  ``T(K) = verify(K + 1) + K * draft_step + other`` seconds; the ``K`` in
+  ``T(K) = verify(K + 1) + max(K - 1, 0) * draft_step + other`` seconds (the first token
+  comes with the draft's extension, which every round pays); the ``K`` in
   ``0 .. max_depth`` with the largest ``E / T`` (0 is plain decoding: one target forward,
   while the draft still follows the text). Verification is unchanged, so it stays lossless.
 """
@@ -51,8 +52,10 @@ class CostModel:
         return len(self.verify) - 1
 
     def round_seconds(self, depth: int) -> float:
-        """``T(K)``: a round of depth ``K``."""
-        return self.verify[depth] + depth * self.draft_step + self.other
+        """``T(K)``: a round of depth ``K``. Its first draft token comes with the draft's
+        extension over the last round's tokens (in ``other``, paid at every depth, 0
+        included), so drafting ``K`` tokens takes ``K - 1`` draft steps."""
+        return self.verify[depth] + max(depth - 1, 0) * self.draft_step + self.other
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -172,15 +175,17 @@ def calibrate(
     draft_step: Callable[[], object],
     *,
     max_depth: int,
-    repeats: int = 3,
+    repeats: int = 5,
     clock: Callable[[], float] = time.perf_counter,
 ) -> CostModel:
     """Measure a :class:`CostModel`: ``verify_forward(n)`` runs the target over ``n`` new
-    tokens after a fixed context (and restores it); ``draft_step()`` runs one draft step. Each is
-    run once to warm up, then timed ``repeats`` times (the median is kept)."""
-    verify = []
-    for n in range(1, max_depth + 2):
-        verify_forward(n)
-        verify.append(_median_seconds(lambda n=n: verify_forward(n), repeats, clock))
-    draft_step()
+    tokens after a fixed context (and restores it); ``draft_step()`` runs one draft step. Every
+    width is run twice to warm up before anything is timed (the first forwards after loading
+    ran up to 1.5x slower here), then each is timed ``repeats`` times (the median is kept)."""
+    widths = range(1, max_depth + 2)
+    for _ in range(2):
+        for n in widths:
+            verify_forward(n)
+        draft_step()
+    verify = [_median_seconds(lambda n=n: verify_forward(n), repeats, clock) for n in widths]
     return CostModel(verify=verify, draft_step=_median_seconds(draft_step, repeats, clock))
