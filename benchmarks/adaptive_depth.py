@@ -14,7 +14,6 @@ identical outputs). Run it alone: a second CPU-heavy process slows PyTorch many 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +24,8 @@ from specforge.data.chat import end_of_turn_ids, prompt_ids
 from specforge.data.questions import ask_turns, load_questions, resolve_question_set
 from specforge.io import write_json_atomic
 from specforge.recipes.bench import build_comparison
-from specforge.serving.speculative import SpecStats, SpeculativeDecoder
+from specforge.serving.bench import BenchTally
+from specforge.serving.speculative import SpeculativeDecoder
 
 SETTINGS = [1, 2, 3, 4, 5, 6, 7, "auto"]
 
@@ -47,6 +47,7 @@ def main() -> None:
             f"bench.draft={args.draft}",
             f"bench.dtype={args.dtype}",
             f"bench.max_new_tokens={args.max_new_tokens}",
+            "bench.prompt_lookup_num_tokens=0",  # the target alone is the baseline
         ],
     )
     comparison, tokenizer = build_comparison(cfg)
@@ -65,47 +66,35 @@ def main() -> None:
     for decoder in decoders.values():
         decoder.generate(hello, max_new_tokens=8, eos_token_ids=eos)  # warm-up; auto calibrates
     calibration = decoders["auto"].costs.as_dict()
-    seconds = dict.fromkeys(["target", *SETTINGS], 0.0)
-    tokens = dict.fromkeys(["target", *SETTINGS], 0)
-    stats = {s: SpecStats(num_steps=decoders[s].num_steps) for s in SETTINGS}
-    matches = dict.fromkeys(SETTINGS, True)
+    baseline = BenchTally(num_steps=base.num_steps)  # the target alone
+    tallies = {s: BenchTally(num_steps=decoders[s].num_steps) for s in SETTINGS}
     progress = tqdm(total=sum(len(q.turns) for q in questions), desc="adaptive", unit="turn")
     for question in questions:
 
         def answer(turn, messages):
             ids = torch.tensor([prompt_ids(tokenizer, messages)])
-            start = time.perf_counter()
-            reference = comparison.target_generate(ids, args.max_new_tokens)
-            seconds["target"] += time.perf_counter() - start
-            tokens["target"] += len(reference)
+            reference, _ = comparison.run_baselines(ids, baseline)
             for setting, decoder in decoders.items():
-                start = time.perf_counter()
-                out, turn_stats = decoder.generate(
-                    ids, max_new_tokens=args.max_new_tokens, eos_token_ids=eos
-                )
-                seconds[setting] += time.perf_counter() - start
-                tokens[setting] += len(out)
-                stats[setting].merge(turn_stats)
-                matches[setting] &= out == reference
+                comparison.run_decoder(decoder, ids, reference, tallies[setting])
             progress.update(1)
             return tokenizer.decode(reference, skip_special_tokens=True), None
 
         for _ in ask_turns(question, answer):
             pass
     progress.close()
-    target_speed = tokens["target"] / seconds["target"]
+    target_speed = baseline.tokens["target"] / baseline.seconds["target"]
     rows = []
-    for setting in SETTINGS:
-        speed = tokens[setting] / seconds[setting]
+    for setting, tally in tallies.items():
+        speed = tally.tokens["eagle3"] / tally.seconds["eagle3"]
         rows.append(
             {
                 "depth": setting,
-                "tau": round(stats[setting].tau, 3),
+                "tau": round(tally.stats.tau, 3),
                 "tokens_per_s": round(speed, 2),
                 "speedup": round(speed / target_speed, 3),
-                "all_match": matches[setting],
-                "depth_histogram": stats[setting].depth_histogram,
-                "acceptance_per_position": stats[setting].acceptance_per_position,
+                "all_match": all(turn["match"] for turn in tally.turns),
+                "depth_histogram": tally.stats.depth_histogram,
+                "acceptance_per_position": tally.stats.acceptance_per_position,
             }
         )
     result = {

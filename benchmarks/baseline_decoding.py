@@ -25,7 +25,7 @@ from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.kv_cache import growing_cache
 from specforge.data.questions import load_questions, resolve_question_set
 from specforge.io import write_json_atomic
-from specforge.models.target import load_target, use_grouped_sdpa
+from specforge.models.target import load_target
 from specforge.serving.bench import compiled_generate_kwargs
 
 
@@ -66,7 +66,6 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config(None, [f"target.name_or_path={args.target}", f"target.dtype={args.dtype}"])
     model, tokenizer = load_target(cfg.target, dtype=args.dtype)
-    use_grouped_sdpa(model)
     eos = end_of_turn_ids(tokenizer, model.generation_config)
     pad = pad_id_of(tokenizer, model.generation_config)
     source = resolve_question_set(args.questions)

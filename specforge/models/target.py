@@ -180,8 +180,9 @@ def grouped_sdpa_attention(
 
 
 def use_grouped_sdpa(model: nn.Module) -> bool:
-    """Switch an HF model that runs ``sdpa`` attention to :func:`grouped_sdpa_attention` (the
-    bench does, for the target alone and for verification alike); returns whether it did."""
+    """Switch an HF model that runs ``sdpa`` attention to :func:`grouped_sdpa_attention`
+    (:func:`load_target` does, unless the config names an attention implementation); returns
+    whether it did."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
@@ -337,7 +338,9 @@ def load_target(
         dtype: overrides ``target.dtype`` (the benchmark runs in its own dtype).
 
     Returns:
-        ``(model, tokenizer)``; the model is in eval mode with gradients off.
+        ``(model, tokenizer)``; the model is in eval mode with gradients off, its ``sdpa``
+        attention grouped (:func:`use_grouped_sdpa`) unless ``target.attn_implementation``
+        names one.
 
     Raises:
         UserError: unknown dtype, or a local path that does not exist.
@@ -360,6 +363,10 @@ def load_target(
             f"{target.attn_implementation!r}: {err}"
         ) from None
     model.to(device or target.device).eval().requires_grad_(False)
+    if not target.attn_implementation:
+        # HF's default sdpa copies the KV heads whenever a mask is passed (verification,
+        # padded batches); one decision for every stage, the bench's baseline included
+        use_grouped_sdpa(model)
     check_logits(model)  # refuses a model whose logits the pipeline would derive wrongly
     return model, load_tokenizer(target)
 

@@ -21,7 +21,7 @@ from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.questions import ask_turns, load_questions, resolve_question_set
 from specforge.errors import UserError
 from specforge.models.adapter import text_config
-from specforge.models.target import load_target, load_tokenizer, use_grouped_sdpa
+from specforge.models.target import load_target, load_tokenizer
 from specforge.serving.bench import BenchTally, MethodComparison, bench_report, write_report
 from specforge.serving.export import exported_aux_layer_ids, load_exported_draft
 from specforge.serving.speculative import SpeculativeDecoder
@@ -46,7 +46,6 @@ def build_comparison(cfg: SpecForgeConfig) -> tuple[MethodComparison, Any]:
     and the tokenizer."""
     bc = cfg.bench
     target, tokenizer = load_target(cfg.target, dtype=bc.dtype)
-    use_grouped_sdpa(target)  # no KV-head copies in verification (nor in the target alone)
     draft = load_exported_draft(
         cfg.bench_draft,
         target_config=target.config,

@@ -108,6 +108,13 @@ class MethodComparison:
     def run(self, ids: torch.Tensor, tally: BenchTally, **turn_info) -> list[int]:
         """Generate ``ids`` (1, T) with each method, add the turn to ``tally``; returns the
         target's own answer (what the conversation continues with)."""
+        reference, lookup = self.run_baselines(ids, tally)
+        self.run_decoder(self.decoder, ids, reference, tally, lookup=lookup, **turn_info)
+        return reference
+
+    def run_baselines(self, ids: torch.Tensor, tally: BenchTally) -> tuple[list[int], list]:
+        """The target alone and prompt-lookup decoding (when on) on ``ids``, timed into
+        ``tally``; returns both outputs (the target's is the reference)."""
         reference, t_target = _timed(
             lambda: self.target_generate(ids, self.max_new_tokens, **self.target_kwargs)
         )
@@ -118,17 +125,34 @@ class MethodComparison:
                     ids, self.max_new_tokens, prompt_lookup_num_tokens=self.prompt_lookup_num_tokens
                 )
             )
-        (spec, stats), t_spec = _timed(
-            lambda: self.decoder.generate(
+        for name, out, spent in (
+            ("target", reference, t_target),
+            ("prompt_lookup", lookup, t_lookup),
+        ):
+            tally.seconds[name] += spent
+            tally.tokens[name] += len(out)
+        return reference, lookup
+
+    def run_decoder(
+        self,
+        decoder: SpeculativeDecoder,
+        ids: torch.Tensor,
+        reference: list[int],
+        tally: BenchTally,
+        *,
+        lookup: list[int] | None = None,
+        **turn_info,
+    ) -> list[int]:
+        """Generate ``ids`` with ``decoder``, timed into ``tally`` (as ``eagle3``) with the
+        turn and whether it equals ``reference``; returns its output."""
+        (spec, stats), spent = _timed(
+            lambda: decoder.generate(
                 ids, max_new_tokens=self.max_new_tokens, eos_token_ids=self.eos
             )
         )
         tally.stats.merge(stats)
-        for name, out, spent in zip(
-            METHODS, (reference, lookup, spec), (t_target, t_lookup, t_spec), strict=True
-        ):
-            tally.seconds[name] += spent
-            tally.tokens[name] += len(out)
+        tally.seconds["eagle3"] += spent
+        tally.tokens["eagle3"] += len(spec)
         tally.turns.append(
             {
                 **turn_info,
@@ -143,7 +167,7 @@ class MethodComparison:
                 else None,
             }
         )
-        return reference
+        return spec
 
 
 def _tau(rows) -> dict[str, float]:

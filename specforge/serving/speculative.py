@@ -210,10 +210,10 @@ class SpeculativeDecoder:
         self.top_p = top_p
         self.generator: torch.Generator | None = None
         self.device = next(target_model.parameters()).device
-        self.estimate = AcceptanceEstimate(num_steps)
-        """Running conditional acceptance per draft position (used by ``auto``)."""
-        self.confidence = ConfidenceCalibration()
-        """Acceptance given the draft's own probability of its token (greedy ``auto``)."""
+        self.estimate = AcceptanceEstimate(num_steps) if self.auto else None
+        """Running conditional acceptance per draft position (``auto`` only)."""
+        self.confidence = ConfidenceCalibration() if self.auto else None
+        """Acceptance given the draft's own probability of its token (greedy ``auto`` only)."""
         self.costs: CostModel | None = None
         """This device's round costs (``auto``; measured by :meth:`calibrate`)."""
 
@@ -476,8 +476,17 @@ class SpeculativeDecoder:
         length = prompt_length  # tokens whose target features are known (and cached)
         stats.prefill_seconds = self._clock() - start_time
         round_ = self._chain_round if self.topk == 1 else self._tree_round
+        followed = None  # the last round's (path, aux), which the draft extends over lazily
         while len(output) < max_new_tokens and next_token not in eos:
             round_start, measured = self._clock(), stats.draft_seconds + stats.verify_seconds
+            if followed is not None:
+                # the draft drops its draft-time entries and extends over the accepted path
+                # (only when another round follows: after a turn's last round nothing does)
+                path, aux = followed
+                crop_cache(draft_cache, length)
+                draft_logits, hidden = self._draft_extend(path, aux, length, draft_cache)
+                length += path.shape[1]
+                stats.extend_seconds += self._clock() - round_start
             new_tokens, accepted, aux = round_(
                 next_token, length, draft_logits, hidden, target_cache, draft_cache, stats
             )
@@ -488,17 +497,10 @@ class SpeculativeDecoder:
                 if token in eos or len(output) >= max_new_tokens:
                     break
             next_token = output[-1]
-            if len(output) >= max_new_tokens or next_token in eos:
-                break  # no next round: the draft need not follow
-            # the draft drops its draft-time entries and extends over the accepted path
-            extend_start = self._clock()
-            crop_cache(draft_cache, length)
-            path = torch.tensor([new_tokens], device=self.device)
-            draft_logits, hidden = self._draft_extend(path, aux, length, draft_cache)
-            length += accepted + 1
-            stats.extend_seconds += self._clock() - extend_start
-            if self.auto:
-                # the time outside drafting and verification, a running average
+            followed = torch.tensor([new_tokens], device=self.device), aux
+            if self.auto and stats.verifications > 1:
+                # the time outside drafting and verification (this round's extension included:
+                # every round but the first has one), a running average
                 other = (
                     self._clock()
                     - round_start
