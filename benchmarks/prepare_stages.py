@@ -60,7 +60,7 @@ def main() -> None:
     )
     parser.add_argument("--output", default="outputs/bench/prepare_stages.json")
     args = parser.parse_args()
-    rows: list[tuple[str, float, str]] = []
+    rows: list[tuple[str, float | None, str]] = []  # None: a ratio row
 
     with tempfile.TemporaryDirectory() as fresh_cache:
         os.environ["SPECFORGE_CACHE"] = fresh_cache
@@ -76,7 +76,12 @@ def main() -> None:
         conversations = builtin_conversations("train")[: args.limit]
         models = {args.dtype: model}
         reports, answers = {}, {}
-        for path, (backend, batch_size, dtype) in paths(args).items():
+        runs = paths(args)
+        compared = (SAME_DTYPE, NEW) if runs[NEW] != runs[SAME_DTYPE] else (SAME_DTYPE,)
+        for path, (backend, batch_size, dtype) in runs.items():
+            if path not in (TODAY, *compared):
+                reports[NEW], answers[NEW] = reports[SAME_DTYPE], answers[SAME_DTYPE]
+                continue  # --new-dtype is --dtype: the same run
             if dtype not in models:
                 models[dtype], _ = load_target(TargetConfig(str(folder), dtype=dtype))
             cfg = RegenerateConfig(
@@ -106,14 +111,14 @@ def main() -> None:
                 a["meta"]["token_ids"] == b["meta"]["token_ids"]
                 for a, b in zip(answers[TODAY], answers[path], strict=True)
             )
-            for path in (SAME_DTYPE, NEW)
+            for path in compared
         }
-        for path in (SAME_DTYPE, NEW):
+        for path in compared:
             report = reports[path]
             rows.append(
                 (
                     f"{path} / {TODAY}",
-                    0.0,
+                    None,
                     f"{rate[path] / rate[TODAY]:.2f}x tokens/s; {identical[path]}/"
                     f"{len(conversations)} conversations token-identical; re-encode differs in "
                     f"{report.reencode_mismatch_turns}/{report.turns} answers",
@@ -138,16 +143,19 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
         "regenerate": {path: r.as_dict() for path, r in reports.items()},
-        "regenerate_speedup": {p: round(rate[p] / rate[TODAY], 2) for p in (SAME_DTYPE, NEW)},
+        "regenerate_speedup": {p: round(rate[p] / rate[TODAY], 2) for p in compared},
         "regenerate_identical_conversations": identical,
         "tokens": stats.as_dict(),
         "cached_target_mb": round(size_mb, 1),
-        "steps": [{"step": name, "seconds": round(s, 2), "note": note} for name, s, note in rows],
+        "steps": [
+            {"step": name, "seconds": None if s is None else round(s, 2), "note": note}
+            for name, s, note in rows
+        ],
     }
     write_json_atomic(args.output, result)
     print("\n| step | seconds | note |\n|---|---:|---|")
     for name, seconds, note in rows:
-        print(f"| {name} | {seconds:.1f} | {note} |")
+        print(f"| {name} | {'' if seconds is None else f'{seconds:.1f}'} | {note} |")
     print(f"\nwrote {args.output}")
 
 

@@ -264,7 +264,13 @@ STAGES = {
     "quickstart": Stage(
         _run_quickstart,
         "prepare, train, export and bench the embedded default (SmolLM2-135M) on this CPU",
-        ("output_dir", "bench.questions", "bench.max_new_tokens", "bench.num_steps"),
+        (
+            "output_dir",
+            "quickstart.minutes",
+            "bench.questions",
+            "bench.max_new_tokens",
+            "bench.num_steps",
+        ),
         default_config=DEFAULT_RECIPE,
         overrides=QUICKSTART_OVERRIDES,
     ),

@@ -72,7 +72,8 @@ class TargetConfig:
     attn_implementation: str | None = None
     """The target's attention (``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2``,
     ...); ``None`` lets transformers choose (``sdpa`` where the model supports it, else
-    ``eager``). Tree drafting needs one whose masks come from a mask function (not flash)."""
+    ``eager``) and runs its ``sdpa`` grouped-query (no KV-head copies, bit-identical; every
+    stage alike). Tree drafting needs one whose masks come from a mask function (not flash)."""
 
     def __post_init__(self) -> None:
         if not self.name_or_path:
@@ -301,6 +302,12 @@ class TrainConfig:
     always come from the target."""
     max_steps: int = 1000
     """Optimizer steps (the schedule spans them); the data repeats in seeded epochs."""
+    max_minutes: float | None = None
+    """Wall-clock budget of training (its evaluations and checkpoints included, resumed runs
+    counted from where they left off), as PyTorch Lightning's ``max_time``: the first step that
+    ends past it is the last (evaluated and saved as at ``max_steps``). The schedule's progress
+    is the larger of the step and the time fraction, so the decay ends within the budget.
+    ``null``: steps alone. The quickstart sets it to keep its hour on slower CPUs."""
     batch_size: int = 1
     """Conversations per micro-batch on each rank (padded to the longest)."""
     max_tokens_per_batch: int | None = None
@@ -312,7 +319,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 50
-    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at ``max_steps``."""
+    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at ``max_steps`` (or at
+    ``max_minutes``, whichever comes first)."""
     min_lr_ratio: float = 0.1
     """The learning rate at ``max_steps``, as a fraction of ``lr``."""
     max_grad_norm: float = 0.5
@@ -363,6 +371,8 @@ class TrainConfig:
         for name in ("num_workers", "warmup_steps", "max_nonfinite_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ConfigError(f"train.max_minutes must be > 0 or null, got {self.max_minutes}")
         if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < 1:
             raise ConfigError(
                 f"train.max_tokens_per_batch must be >= 1 or null (no limit), got "
@@ -452,6 +462,28 @@ class BenchConfig:
 
 
 @dataclass
+class QuickstartConfig:
+    """``specforge quickstart``: its wall-clock budget."""
+
+    minutes: float | None = None
+    """Budget of the whole quickstart (prepare, train, export, bench). Prepare runs to the
+    end; training then gets what is left after the bench's estimated share
+    (``bench_share`` x prepare's time) and stops at ``train.max_steps`` or there, whichever
+    comes first (``train.max_minutes``). A rerun counts the first run's prepare time
+    (``<output_dir>/quickstart.json``) and training's so far. ``null``: ``train.max_steps``
+    alone."""
+    bench_share: float = 0.6
+    """The export and bench's time as a fraction of prepare's (both decode with the target;
+    measured 0.50 and 0.52 on two CPUs)."""
+
+    def __post_init__(self) -> None:
+        if self.minutes is not None and not self.minutes > 0:
+            raise ConfigError(f"quickstart.minutes must be > 0 or null, got {self.minutes}")
+        if not self.bench_share >= 0:
+            raise ConfigError(f"quickstart.bench_share must be >= 0, got {self.bench_share}")
+
+
+@dataclass
 class SpecForgeConfig:
     """The whole recipe: one section per stage."""
 
@@ -465,6 +497,7 @@ class SpecForgeConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    quickstart: QuickstartConfig = field(default_factory=QuickstartConfig)
     output_dir: str = "outputs/specforge"
     """Directory for everything the recipe writes."""
 

@@ -10,6 +10,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -33,6 +34,16 @@ class Distributed:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+    def agreed_max(self, value: float) -> float:
+        """The largest of every rank's ``value`` (ranks that decide by a clock agree)."""
+        if self.world_size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64)
+        if dist.get_backend() == "nccl":
+            tensor = tensor.cuda()
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return float(tensor.item())
 
     def close(self) -> None:
         """Leave the process group if this stage joined it."""

@@ -96,6 +96,8 @@ def test_missing_file_and_non_mapping(tmp_path):
         "train.min_lr_ratio=1.5",
         "train.weight_decay=-0.1",
         "train.max_tokens_per_batch=0",
+        "train.max_minutes=0",
+        "train.max_minutes=.nan",
         "regenerate.temperature=.nan",
         "regenerate.max_prompt_length=0",
         "capture.shard_size_mb=.nan",

@@ -198,6 +198,9 @@ def test_cli_quickstart_leaves_the_export_and_a_bench(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "accept length tau" in done.stdout and f"questions: {questions}" in done.stdout
+    # the recipe's hour: training got what prepare and the bench's share left
+    prepare_seconds = json.loads((out / "quickstart.json").read_text())["prepare_seconds"]
+    assert 0 < prepare_seconds < 60 * 60 and "training gets" in done.stderr
     export = out / "export"
     config = json.loads((export / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]

@@ -84,6 +84,8 @@ class TrainingRun:
     eval_samples: list[TokenizedSample]
     log: MetricsLog
     start_step: int
+    start_seconds: float
+    """Training wall-clock seconds before this run (a resumed run's checkpoint records them)."""
     identity: dict
     """What a checkpoint must match to be resumed: the data digest, the draft geometry."""
     nonfinite_steps: int = 0
@@ -148,7 +150,7 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     )
     out = Path(cfg.output_dir)
     run_identity = {"data_sha256": samples_sha256(train_samples), "draft": draft_config.to_dict()}
-    start_step = resume(cfg, draft, optimizer, run_identity)
+    start_step, start_seconds = resume(cfg, draft, optimizer, run_identity)
     objective: nn.Module = TTTObjective(draft, tc.ttt_length, tc.step_weight, tc.loss)
     if ranks.world_size > 1:
         objective = nn.parallel.DistributedDataParallel(objective)
@@ -180,6 +182,7 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
         eval_samples=eval_samples,
         log=log,
         start_step=start_step,
+        start_seconds=start_seconds,
         identity=run_identity,
     )
 
@@ -194,9 +197,9 @@ def samples_sha256(samples: list[TokenizedSample]) -> str:
     return digest.hexdigest()
 
 
-def resume(cfg: SpecForgeConfig, draft, optimizer, identity: dict) -> int:
-    """The step to start from: 0 for a fresh run, else the newest intact checkpoint's (its
-    weights, optimizer and RNG state loaded).
+def resume(cfg: SpecForgeConfig, draft, optimizer, identity: dict) -> tuple[int, float]:
+    """The step and training seconds to start from: 0 for a fresh run, else the newest intact
+    checkpoint's (its weights, optimizer and RNG state loaded).
 
     Raises:
         UserError: a fresh run into a folder that holds checkpoints, no intact checkpoint to
@@ -208,7 +211,7 @@ def resume(cfg: SpecForgeConfig, draft, optimizer, identity: dict) -> int:
             shutil.rmtree(leftover, ignore_errors=True)
     steps = checkpoint_steps(folder)
     if not steps:
-        return 0
+        return 0, 0.0
     if not cfg.train.resume:
         raise UserError(
             f"{folder} holds checkpoints of an earlier run (newest {steps[0][1].name}): pass "
@@ -224,9 +227,9 @@ def resume(cfg: SpecForgeConfig, draft, optimizer, identity: dict) -> int:
                 f"cannot resume {checkpoint}: {what} differs from the run that wrote it "
                 "(use a new output_dir for the new run)"
             )
-    step = load_checkpoint(checkpoint, model=draft, optimizer=optimizer)["step"]
-    logger.info("resumed from %s (step %d)", checkpoint, step)
-    return step
+    state = load_checkpoint(checkpoint, model=draft, optimizer=optimizer)
+    logger.info("resumed from %s (step %d)", checkpoint, state["step"])
+    return state["step"], float(state.get("train_seconds", 0.0))
 
 
 def evaluate(run: TrainingRun) -> dict[str, float]:
@@ -242,8 +245,9 @@ def evaluate(run: TrainingRun) -> dict[str, float]:
     return ttt_metrics(results, run.cfg.train.ttt_length)
 
 
-def save(run: TrainingRun, step: int) -> Path | None:
-    """Write checkpoint ``step`` (rank 0; every rank takes part in consolidating ZeRO state)."""
+def save(run: TrainingRun, step: int, seconds: float) -> Path | None:
+    """Write checkpoint ``step`` after ``seconds`` of training (rank 0; every rank takes part
+    in consolidating ZeRO state)."""
     path = None
     if isinstance(run.optimizer, ZeroRedundancyOptimizer):
         run.optimizer.consolidate_state_dict(to=0)
@@ -258,6 +262,7 @@ def save(run: TrainingRun, step: int) -> Path | None:
                 "aux_layer_ids": run.source.aux_layer_ids,
                 "config": to_dict(run.cfg),
                 "run": run.identity,
+                "train_seconds": round(seconds, 3),
             },
         )
     run.ranks.barrier()
@@ -326,6 +331,18 @@ def train(cfg: SpecForgeConfig, *, stop_after_step: int | None = None) -> TrainR
 
 def _loop(run: TrainingRun, end_step: int) -> TrainResult:
     tc, result = run.cfg.train, TrainResult()
+    loop_start = time.perf_counter()
+    budget = 60 * tc.max_minutes if tc.max_minutes else None
+
+    def spent() -> float:
+        """Training seconds so far (resumed runs included), agreed by the ranks."""
+        return run.ranks.agreed_max(run.start_seconds + time.perf_counter() - loop_start)
+
+    if budget is not None and run.start_seconds >= budget:
+        logger.info(
+            "train.max_minutes (%s) was spent before step %d", tc.max_minutes, run.start_step
+        )
+        return result
     if run.start_step == 0 and run.eval_samples:
         result.eval = evaluate(run)
         run.log.log(0, "eval", result.eval)
@@ -338,9 +355,10 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
     window_tokens, window_start = 0, time.perf_counter()
     run.draft.train()
     step_batches = run.source.step_batches(run.batches, steps)
+    seconds = spent() if budget is not None else 0.0
     for step, micro_batches in zip(progress, step_batches, strict=True):
         # 1. learning rate of this step
-        lr = set_lr(run.optimizer, tc, step)
+        lr = set_lr(run.optimizer, tc, step, seconds / budget if budget else 0.0)
         # 2. forward and backward over the micro-batches (gradient accumulation)
         results, tokens = accumulate(run, micro_batches)
         window += results
@@ -351,24 +369,38 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
             run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
         done = step + 1
+        if budget is not None:
+            seconds = spent()
+        out_of_time = budget is not None and seconds >= budget
+        last = done == end_step or out_of_time
         # 5. log
-        if done % tc.log_every == 0 or done == end_step:
-            seconds = time.perf_counter() - window_start
+        if done % tc.log_every == 0 or last:
+            window_seconds = time.perf_counter() - window_start
             result.train = ttt_metrics(window, tc.ttt_length) | {
                 "lr": lr,
                 "grad_norm": float(grad_norm),
-                "tokens_per_s": window_tokens * run.ranks.world_size / seconds,
+                "tokens_per_s": window_tokens * run.ranks.world_size / window_seconds,
             }
             run.log.log(done, "train", result.train)
             shown = {k: v for k, v in result.train.items() if k == "loss" or k.startswith("acc_")}
             progress.set_postfix({k: f"{v:.3f}" for k, v in shown.items()})
             window, window_tokens, window_start = [], 0, time.perf_counter()
         # 6. evaluate
-        if run.eval_samples and (done % tc.eval_every == 0 or done == end_step):
+        if run.eval_samples and (done % tc.eval_every == 0 or last):
             result.eval = evaluate(run)
             run.log.log(done, "eval", result.eval)
-        # 7. checkpoint
-        if done % tc.save_every == 0 or done == end_step:
-            result.checkpoint = save(run, done)
+        # 7. checkpoint (its seconds include this step's evaluation)
+        if done % tc.save_every == 0 or last:
+            result.checkpoint = save(
+                run, done, run.start_seconds + time.perf_counter() - loop_start
+            )
+        if out_of_time:
+            logger.info(
+                "train.max_minutes (%s) spent: stopped after step %d of %d",
+                tc.max_minutes,
+                done,
+                tc.max_steps,
+            )
+            break
     progress.close()
     return result

@@ -79,6 +79,42 @@ def test_lr_schedule_warms_up_then_decays():
     )
 
 
+def test_a_time_budget_decays_the_schedule_early():
+    common = {"warmup_steps": 4, "max_steps": 100, "min_lr_ratio": 0.1}
+    by_steps = lr_factor(10, **common)
+    assert lr_factor(10, **common, time_fraction=0.01) == by_steps  # steps are further along
+    assert lr_factor(10, **common, time_fraction=0.5) < by_steps
+    assert lr_factor(10, **common, time_fraction=1.0) == pytest.approx(0.1)
+    assert lr_factor(2, **common, time_fraction=1.0) == 0.75  # warmup is by steps
+
+
+def test_max_minutes_ends_training_and_a_rerun_adds_no_step(tmp_path, peaked_target_dir):
+    folder, data = peaked_target_dir
+    out = tmp_path / "run"
+    settings = ["train.max_steps=50", "train.save_every=100", "train.eval_every=100"]
+    # a budget of 6 ms: the first step ends past it
+    cfg = tiny_train_config(folder, data, out, *settings, "train.max_minutes=0.0001")
+    result = train(cfg)
+    assert result.checkpoint == out / "checkpoints" / "step_1"
+    state = json.loads((result.checkpoint / "trainer_state.json").read_text())
+    assert state["train_seconds"] >= 0.006
+    assert [r["step"] for r in metrics(out, "eval")] == [0, 1]  # evaluated as at max_steps
+    rerun = train(
+        tiny_train_config(
+            folder, data, out, *settings, "train.max_minutes=0.0001", "train.resume=true"
+        )
+    )
+    assert rerun.checkpoint is None
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_1"]
+    # a larger budget on resume goes on from the checkpoint, counting the time already spent
+    more = train(
+        tiny_train_config(folder, data, out, *settings, "train.max_minutes=10", "train.resume=true")
+    )
+    assert more.checkpoint == out / "checkpoints" / "step_50"
+    later = json.loads((more.checkpoint / "trainer_state.json").read_text())
+    assert later["train_seconds"] > state["train_seconds"]
+
+
 def test_global_batch_is_the_same_for_ranks_or_accumulation():
     from specforge.data.chat import TokenizedSample
 
