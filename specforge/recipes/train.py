@@ -56,6 +56,27 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class TrainClock:
+    """Training's wall-clock seconds (a resumed run's included) against ``train.max_minutes``."""
+
+    ranks: Distributed
+    start_seconds: float
+    """Seconds of training before this run (its checkpoint records them)."""
+    budget: float
+    """``train.max_minutes`` in seconds; 0: no budget."""
+    started: float = field(default_factory=time.perf_counter)
+
+    def elapsed(self) -> float:
+        """Training seconds so far on this rank."""
+        return self.start_seconds + time.perf_counter() - self.started
+
+    def spent(self) -> float:
+        """The share of the budget spent (0 without one), agreed by the ranks so that they
+        stop at the same step."""
+        return self.ranks.agreed_max(self.elapsed()) / self.budget if self.budget else 0.0
+
+
+@dataclass
 class TrainResult:
     """What a training run ended with."""
 
@@ -331,14 +352,8 @@ def train(cfg: SpecForgeConfig, *, stop_after_step: int | None = None) -> TrainR
 
 def _loop(run: TrainingRun, end_step: int) -> TrainResult:
     tc, result = run.cfg.train, TrainResult()
-    loop_start = time.perf_counter()
-    budget = 60 * tc.max_minutes if tc.max_minutes else None
-
-    def spent() -> float:
-        """Training seconds so far (resumed runs included), agreed by the ranks."""
-        return run.ranks.agreed_max(run.start_seconds + time.perf_counter() - loop_start)
-
-    if budget is not None and run.start_seconds >= budget:
+    clock = TrainClock(run.ranks, run.start_seconds, 60 * tc.max_minutes if tc.max_minutes else 0)
+    if clock.budget and run.start_seconds >= clock.budget:
         logger.info(
             "train.max_minutes (%s) was spent before step %d", tc.max_minutes, run.start_step
         )
@@ -355,10 +370,10 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
     window_tokens, window_start = 0, time.perf_counter()
     run.draft.train()
     step_batches = run.source.step_batches(run.batches, steps)
-    seconds = spent() if budget is not None else 0.0
+    spent, has_eval = clock.spent(), bool(run.eval_samples)
     for step, micro_batches in zip(progress, step_batches, strict=True):
         # 1. learning rate of this step
-        lr = set_lr(run.optimizer, tc, step, seconds / budget if budget else 0.0)
+        lr = set_lr(run.optimizer, tc, step, spent)
         # 2. forward and backward over the micro-batches (gradient accumulation)
         results, tokens = accumulate(run, micro_batches)
         window += results
@@ -369,12 +384,14 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
             run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
         done = step + 1
-        if budget is not None:
-            seconds = spent()
-        out_of_time = budget is not None and seconds >= budget
+        spent = clock.spent()
+        out_of_time = spent >= 1
         last = done == end_step or out_of_time
+        logged = done % tc.log_every == 0 or last
+        evaluated = has_eval and (done % tc.eval_every == 0 or last)
+        saved = done % tc.save_every == 0 or last
         # 5. log
-        if done % tc.log_every == 0 or last:
+        if logged:
             window_seconds = time.perf_counter() - window_start
             result.train = ttt_metrics(window, tc.ttt_length) | {
                 "lr": lr,
@@ -386,14 +403,16 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
             progress.set_postfix({k: f"{v:.3f}" for k, v in shown.items()})
             window, window_tokens, window_start = [], 0, time.perf_counter()
         # 6. evaluate
-        if run.eval_samples and (done % tc.eval_every == 0 or last):
+        if evaluated:
             result.eval = evaluate(run)
             run.log.log(done, "eval", result.eval)
         # 7. checkpoint (its seconds include this step's evaluation)
-        if done % tc.save_every == 0 or last:
-            result.checkpoint = save(
-                run, done, run.start_seconds + time.perf_counter() - loop_start
-            )
+        if saved:
+            result.checkpoint = save(run, done, clock.elapsed())
+        if clock.budget and not last and logged and saved and evaluated == has_eval:
+            # a periodic evaluation and save that used up the budget make this step the last
+            # (another step would only evaluate and save again)
+            out_of_time = clock.spent() >= 1
         if out_of_time:
             logger.info(
                 "train.max_minutes (%s) spent: stopped after step %d of %d",

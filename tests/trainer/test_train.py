@@ -115,6 +115,17 @@ def test_max_minutes_ends_training_and_a_rerun_adds_no_step(tmp_path, peaked_tar
     assert later["train_seconds"] > state["train_seconds"]
 
 
+def test_max_minutes_not_spent_stops_no_step_early(tmp_path, peaked_target_dir):
+    """Logged, evaluated and saved at every step, each step checks the clock again after its
+    save: a budget left over takes every step."""
+    folder, data = peaked_target_dir
+    out = tmp_path / "run"
+    every = ["train.max_steps=3", "train.log_every=1", "train.eval_every=1", "train.save_every=1"]
+    result = train(tiny_train_config(folder, data, out, *every, "train.max_minutes=10"))
+    assert result.checkpoint == out / "checkpoints" / "step_3"
+    assert [r["step"] for r in metrics(out, "eval")] == [0, 1, 2, 3]
+
+
 def test_global_batch_is_the_same_for_ranks_or_accumulation():
     from specforge.data.chat import TokenizedSample
 
