@@ -94,6 +94,7 @@ def main() -> None:
                 "speedup": round(speed / target_speed, 3),
                 "all_match": all(turn["match"] for turn in tally.turns),
                 "depth_histogram": tally.stats.depth_histogram,
+                "dormant_rounds": tally.stats.dormant_rounds,
                 "acceptance_per_position": tally.stats.acceptance_per_position,
             }
         )
@@ -111,8 +112,11 @@ def main() -> None:
             f"| {r['depth']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
             f"{r['all_match']} |"
         )
-    auto = rows[-1]["depth_histogram"]
-    print(f"\nauto's chosen depths (rounds): {auto}\nwrote {args.output}")
+    auto = rows[-1]
+    print(
+        f"\nauto's chosen depths (rounds): {auto['depth_histogram']}; plain rounds the draft "
+        f"slept through: {auto['dormant_rounds']}\nwrote {args.output}"
+    )
 
 
 if __name__ == "__main__":

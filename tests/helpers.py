@@ -174,6 +174,8 @@ class StubDraft(torch.nn.Module):
         self.wrong_at = wrong_at
         self.vocab_size = vocab_size
         self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long))
+        self.forwards = 0
+        """Forward calls so far (extensions and draft steps)."""
 
     def to_target_ids(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]
@@ -191,6 +193,7 @@ class StubDraft(torch.nn.Module):
         attention_mask=None,
         logits_to_keep=0,
     ):
+        self.forwards += 1
         # position t predicts token t + 2
         logits = torch.zeros(1, input_ids.shape[1], self.vocab_size)
         for i, t in enumerate(position_ids[0].tolist()):

@@ -23,6 +23,15 @@ pick the depth that maximises expected tokens per second on this device.
   comes with the draft's extension, which every round pays); the ``K`` in
   ``0 .. max_depth`` with the largest ``E / T`` (0 is plain decoding: one target forward,
   while the draft still follows the text). Verification is unchanged, so it stays lossless.
+- **Dormancy** (:class:`Dormancy`): while plain decoding wins, the draft need not follow every
+  token. After a plain round it sleeps for a span of rounds (no extension, no decision: the
+  target decodes alone), then extends over everything it skipped in one forward and decides
+  again. The span doubles with each such probe that decodes plainly again and resets when a
+  round drafts, so a draft that pays now and then is looked at often, and one that never pays
+  costs a forward every ``max_span`` tokens instead of one per token.
+- **Sampling** rounds learn from plain rounds too: with the target's distribution ``p`` and the
+  draft's ``q`` for the next position in hand, the first position's acceptance would have been
+  ``sum(min(p, q))`` (:func:`first_acceptance`), observed as a fractional hit.
 """
 
 from __future__ import annotations
@@ -93,7 +102,8 @@ class DecayedCounts:
         self.hits = [0.0] * slots
         self.trials = [0.0] * slots
 
-    def observe(self, slot: int, hit: bool) -> None:
+    def observe(self, slot: int, hit: bool | float) -> None:
+        """One observation: a hit, a miss, or the probability of a hit."""
         self.hits[slot] = self.hits[slot] * self.decay + float(hit)
         self.trials[slot] = self.trials[slot] * self.decay + 1.0
 
@@ -134,6 +144,37 @@ class AcceptanceEstimate:
             self.counts.observe(k, k <= accepted)
         if lookahead is not None and accepted == depth and depth < self.max_depth:
             self.counts.observe(depth + 1, lookahead)
+
+
+@dataclass
+class Dormancy:
+    """When the draft sleeps through plain rounds (see the module docstring)."""
+
+    max_span: int = 16
+    """The longest sleep, in rounds."""
+    span: int = 0
+    """The sleep after the last plain round the draft was awake for."""
+    left: int = 0
+    """Rounds of the current sleep still to come."""
+
+    def sleeping(self) -> bool:
+        """Whether this round decodes plainly without the draft (counts the sleep down)."""
+        if self.left:
+            self.left -= 1
+            return True
+        return False
+
+    def woke(self, depth: int) -> None:
+        """After a round the draft was awake for, with the depth that round verified."""
+        self.span = min(max(2 * self.span, 1), self.max_span) if depth == 0 else 0
+        self.left = self.span
+
+
+def first_acceptance(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> float:
+    """The probability that sampling verification accepts a first draft token drawn from
+    ``draft_probs`` when the target's distribution is ``target_probs`` (same vocabulary):
+    ``sum(min(p, q))``."""
+    return float(torch.minimum(draft_probs, target_probs).sum())
 
 
 @dataclass

@@ -240,6 +240,7 @@ def bench_report(
         "acceptance_per_position": tally.stats.acceptance_per_position,
         "accepted_length_histogram": {str(k): v for k, v in tally.stats.histogram.items()},
         "depth_histogram": {str(k): v for k, v in tally.stats.depth_histogram.items()},
+        "dormant_rounds": tally.stats.dormant_rounds,
         "calibration": calibration,
         "sglang_advice": measured_advice(tally.stats, settings),
         "per_category": {c: _tau([r for r in turns if r["category"] == c]) for c in categories},
@@ -301,6 +302,8 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         "|---|---|",
         *[f"| {k} | {v} |" for k, v in result["depth_histogram"].items()],
     ]
+    if s["num_steps"] == "auto":
+        lines.append(f"| (of the 0s, the draft slept through) | {result['dormant_rounds']} |")
     if result.get("sglang_advice"):
         lines += ["", advice_markdown(result["sglang_advice"]).replace("# ", "## ", 1)]
     if result.get("calibration"):

@@ -37,8 +37,10 @@ from specforge.serving.adaptive import (
     AcceptanceEstimate,
     ConfidenceCalibration,
     CostModel,
+    Dormancy,
     best_depth,
     calibrate,
+    first_acceptance,
 )
 from specforge.serving.sampling import (
     accept_chain_sampling,
@@ -79,6 +81,8 @@ class SpecStats:
     features), which also yields the next round's first draft token."""
     prefill_seconds: float = 0.0
     """Of which the prefills: the target over the prompt and the draft over its features."""
+    dormant_rounds: int = 0
+    """Plain rounds the draft slept through (``auto``: no extension, no decision)."""
 
     @property
     def tau(self) -> float:
@@ -117,6 +121,7 @@ class SpecStats:
         self.verify_seconds += other.verify_seconds
         self.extend_seconds += other.extend_seconds
         self.prefill_seconds += other.prefill_seconds
+        self.dormant_rounds += other.dormant_rounds
 
 
 def crop_cache(cache, length: int) -> None:
@@ -143,6 +148,13 @@ def gather_cache(cache, prefix: int, rows: list[int]) -> None:
             layer.keys[:, :, prefix + moved : end] = layer.keys[:, :, index]
             layer.values[:, :, prefix + moved : end] = layer.values[:, :, index]
     crop_cache(cache, end)
+
+
+def _joined(pending, new):
+    """``new`` (tokens (1, T), aux rows (1, T, H)) after ``pending`` (the same, or ``None``)."""
+    if pending is None:
+        return new
+    return tuple(torch.cat([old, more], 1) for old, more in zip(pending, new, strict=True))
 
 
 class SpeculativeDecoder:
@@ -360,6 +372,11 @@ class SpeculativeDecoder:
             accepted, bonus = self.accept(draft_tokens[:depth], target_logits)
         if self.auto:
             self._learn(depth, accepted, bonus, probs, candidate)
+            if self.sampling and not depth:  # what the first draft token's chance would have been
+                draft_probs = warp_probs(draft_logits, self.temperature, self.top_p)
+                target_probs = warp_probs(target_logits[-1], self.temperature, self.top_p)
+                chance = first_acceptance(draft_probs, target_probs[self.draft_model.hot_ids])
+                self.estimate.counts.observe(1, chance)
         stats.depth_per_round.append(depth)
         crop_cache(target_cache, length + 1 + accepted)
         emitted = (draft_tokens[:accepted].tolist() if depth else []) + [bonus]
@@ -401,6 +418,18 @@ class SpeculativeDecoder:
             self.confidence.observe(q, k <= accepted)
         if candidate is not None and accepted == depth:
             self.confidence.observe(candidate[1], guess)
+
+    def _plain_round(self, next_token: int, target_cache, stats: SpecStats):
+        """A round the draft sleeps through (``auto``'s dormancy): the target decodes one
+        token alone, keeping the aux row the draft extends over when it wakes."""
+        start = self._clock()
+        logits, aux = self._target_forward(
+            torch.tensor([[next_token]], device=self.device), target_cache
+        )
+        stats.verify_seconds += self._clock() - start
+        stats.depth_per_round.append(0)
+        stats.dormant_rounds += 1
+        return [self._plain_token(logits[-1])], 0, aux
 
     def _plain_token(self, logits: torch.Tensor) -> int:
         """The target's next token from its own logits (a depth-0 round)."""
@@ -476,20 +505,30 @@ class SpeculativeDecoder:
         length = prompt_length  # tokens whose target features are known (and cached)
         stats.prefill_seconds = self._clock() - start_time
         round_ = self._chain_round if self.topk == 1 else self._tree_round
-        followed = None  # the last round's (path, aux), which the draft extends over lazily
+        dormancy = Dormancy() if self.auto else None
+        # the tokens emitted since the draft's last extension and their aux rows: the draft
+        # extends over them lazily, when a round needs it (not after a turn's last round, nor
+        # while it sleeps), from position draft_length
+        pending, draft_length = None, length
         while len(output) < max_new_tokens and next_token not in eos:
             round_start, measured = self._clock(), stats.draft_seconds + stats.verify_seconds
-            if followed is not None:
-                # the draft drops its draft-time entries and extends over the accepted path
-                # (only when another round follows: after a turn's last round nothing does)
-                path, aux = followed
-                crop_cache(draft_cache, length)
-                draft_logits, hidden = self._draft_extend(path, aux, length, draft_cache)
-                length += path.shape[1]
+            asleep = dormancy is not None and dormancy.sleeping()
+            if pending is not None and not asleep:
+                # the draft drops its draft-time entries and extends over the accepted paths
+                path, aux = pending
+                crop_cache(draft_cache, draft_length)
+                draft_logits, hidden = self._draft_extend(path, aux, draft_length, draft_cache)
+                pending, draft_length = None, draft_length + path.shape[1]
                 stats.extend_seconds += self._clock() - round_start
-            new_tokens, accepted, aux = round_(
-                next_token, length, draft_logits, hidden, target_cache, draft_cache, stats
-            )
+            if asleep:
+                new_tokens, accepted, aux = self._plain_round(next_token, target_cache, stats)
+            else:
+                new_tokens, accepted, aux = round_(
+                    next_token, length, draft_logits, hidden, target_cache, draft_cache, stats
+                )
+                if dormancy is not None:
+                    dormancy.woke(stats.depth_per_round[-1])
+            length += len(new_tokens)
             stats.verifications += 1
             stats.accepted_per_round.append(accepted)
             for token in new_tokens:
@@ -497,10 +536,11 @@ class SpeculativeDecoder:
                 if token in eos or len(output) >= max_new_tokens:
                     break
             next_token = output[-1]
-            followed = torch.tensor([new_tokens], device=self.device), aux
-            if self.auto and stats.verifications > 1:
-                # the time outside drafting and verification (this round's extension included:
-                # every round but the first has one), a running average
+            pending = _joined(pending, (torch.tensor([new_tokens], device=self.device), aux))
+            if self.auto and stats.verifications > 1 and not asleep:
+                # the time outside drafting and verification of a round the draft is awake
+                # for (its extension included: every such round but the first has one), a
+                # running average
                 other = (
                     self._clock()
                     - round_start

@@ -8,10 +8,13 @@ from specforge.serving.adaptive import (
     AcceptanceEstimate,
     ConfidenceCalibration,
     CostModel,
+    Dormancy,
     best_depth,
     calibrate,
     expected_tokens,
+    first_acceptance,
 )
+from specforge.serving.sampling import accept_chain_sampling
 from specforge.serving.speculative import AUTO_MAX_DEPTH, SpeculativeDecoder
 from tests.helpers import StubDraft, greedy_reference
 from tests.serving.test_speculative import VOCAB, target  # noqa: F401
@@ -98,6 +101,37 @@ def test_auto_depth_is_lossless_and_settles_where_it_pays(target, agree):  # noq
         assert last[:-1] == [AUTO_MAX_DEPTH] * 4  # (the last round may be cut by the budget)
     if agree == "never":
         assert last == [0] * 5 and stats.tau == 1.0
+        # the draft sleeps through most plain rounds: one extension per round it is awake
+        # for (the first round's comes with the prefill), never a draft step
+        awake = stats.verifications - stats.dormant_rounds
+        assert stats.dormant_rounds > stats.verifications * 3 // 4
+        assert decoder.draft_model.forwards == 1 + (awake - 1)
+
+
+def test_dormancy_doubles_its_sleep_while_plain_rounds_win_and_wakes_for_a_drafting_round():
+    dormancy = Dormancy(max_span=4)
+    pattern = []
+    for depth in [0, 0, 0, 0, 3, 0]:  # what each round the draft is awake for verifies
+        dormancy.woke(depth)
+        slept = 0
+        while dormancy.sleeping():
+            slept += 1
+        pattern.append(slept)
+    assert pattern == [1, 2, 4, 4, 0, 1]
+
+
+def test_first_acceptance_is_the_rate_sampling_verification_accepts_a_first_draft_token():
+    generator = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(6, generator=generator) * 2, 0)
+    q = torch.softmax(torch.randn(6, generator=generator) * 2, 0)
+    trials, accepted = 4000, 0
+    for _ in range(trials):
+        token = torch.multinomial(q, 1, generator=generator)
+        target_probs = torch.stack([p, p])  # the root and the bonus position
+        accepted += accept_chain_sampling(token, q[None], target_probs, generator)[0]
+    rate = first_acceptance(q, p)
+    assert 0.2 < rate < 0.9  # a case where the draft is neither useless nor exact
+    assert accepted / trials == pytest.approx(rate, abs=4 * (rate * (1 - rate) / trials) ** 0.5)
 
 
 def test_auto_calibrates_on_first_use_and_stays_lossless_with_a_random_draft(target):  # noqa: F811

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 from specforge.cli import main
 from specforge.data.questions import BUILTIN_EVAL, load_questions
@@ -6,7 +7,9 @@ from specforge.recipes.train import train
 from tests.helpers import tiny_train_config
 
 
-def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
+def _bench(tmp_path, peaked_target_dir, *options: str) -> Path:
+    """Train a draft 3 steps on the peaked tiny target, export it and bench it on three turns
+    with ``options``; returns the bench folder."""
     folder, data = peaked_target_dir
     run = train(tiny_train_config(folder, data, tmp_path / "run", "train.max_steps=3"))
     export = tmp_path / "export"
@@ -19,25 +22,18 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
         + "\n"
     )
     out = tmp_path / "bench"
-    code = main(
-        [
-            "bench",
-            "--target",
-            str(folder),
-            "--draft",
-            str(export),
-            "--questions",
-            str(questions),
-            "--num-steps",
-            "3",
-            "--max-new-tokens",
-            "12",
-            "--target-compile",  # the compiled baseline's outputs are the reference too
-            "--output",
-            str(out),
-        ]
+    arguments = ["--target", str(folder), "--draft", str(export), "--questions", str(questions)]
+    assert main(["bench", *arguments, "--output", str(out), *options]) == 0
+    return out
+
+
+def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
+    out = _bench(
+        tmp_path,
+        peaked_target_dir,
+        *("--num-steps", "3", "--max-new-tokens", "12"),
+        "--target-compile",  # the compiled baseline's outputs are the reference too
     )
-    assert code == 0
     result = json.loads((out / "bench.json").read_text())
     for key in (
         "tau",
@@ -67,6 +63,20 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
     ).read_text()
     progress = capsys.readouterr().err  # a sign of life: turns done, tokens/s, running tau
     assert "bench: 100%" in progress and "3/3" in progress and "tau=" in progress
+
+
+def test_bench_auto_depth_reports_its_calibration_and_chosen_depths(tmp_path, peaked_target_dir):
+    out = _bench(tmp_path, peaked_target_dir, "--num-steps", "auto", "--max-new-tokens", "24")
+    result = json.loads((out / "bench.json").read_text())
+    assert result["all_match"] is True
+    rounds = sum(len(t["accepted_per_round"]) for t in result["turn_details"])
+    assert sum(result["depth_histogram"].values()) == rounds
+    assert 0 <= result["dormant_rounds"] <= result["depth_histogram"].get("0", 0)
+    calibration = result["calibration"]
+    assert len(calibration["verify_ms"]) == 8 and all(ms > 0 for ms in calibration["verify_ms"])
+    assert len(calibration["final_acceptance_estimate"]) == 7
+    report = (out / "bench.md").read_text()
+    assert "calibration (num_steps auto)" in report and "the draft slept through" in report
 
 
 def test_question_sources(tmp_path):
