@@ -1,7 +1,8 @@
 """torchrun process groups: which rank am I, and the frozen target's FSDP2 sharding.
 
 Every stage runs unchanged under ``torchrun --nproc_per_node=N`` (and ``--nnodes``): it joins
-the process group torchrun describes in the environment (gloo on CPU, nccl on CUDA).
+the process group torchrun describes in the environment (gloo on CPU; on CUDA, nccl for CUDA
+tensors and gloo for CPU ones).
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ class Distributed:
         if self.world_size == 1:
             return value
         tensor = torch.tensor([value], dtype=torch.float64)
-        if dist.get_backend() == "nccl":
-            tensor = tensor.cuda()
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return float(tensor.item())
 
@@ -75,12 +74,13 @@ def check_device(device: str) -> None:
 
 
 def setup_distributed(device: str) -> Distributed:
-    """Join the torchrun process group when there is one (gloo on CPU, nccl on CUDA)."""
+    """Join the torchrun process group when there is one (gloo on CPU; nccl and gloo on CUDA)."""
     check_device(device)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return Distributed()
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    # on CUDA, nccl for CUDA tensors and gloo for CPU ones (the metrics' counts, the clock)
+    backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group(backend=backend)

@@ -3,9 +3,10 @@ frozen target's hidden states, which come from the target running inside each st
 from a capture on disk (``data.mode: offline``; :mod:`specforge.trainer.sources`).
 
 Launch with ``torchrun --nproc_per_node=N scripts/train_eagle3.py --config ...`` (DDP on gloo for
-CPU, nccl for CUDA; add ``--nnodes`` for several machines) or ``specforge train --config ...``.
-The draft is replicated with DDP; ``train.zero_optimizer`` shards its AdamW state (ZeRO-1); in
-online mode ``train.target_sharding: fsdp`` shards the frozen target's decoder layers (FSDP2).
+CPU, nccl with gloo beside it for CUDA; add ``--nnodes`` for several machines) or
+``specforge train --config ...``. The draft is replicated with DDP; ``train.zero_optimizer``
+shards its AdamW state (ZeRO-1); in online mode ``train.target_sharding: fsdp`` shards the
+frozen target's decoder layers (FSDP2).
 
 It reads top to bottom: :func:`setup` (distributed, hidden-state source, data, vocab map, draft,
 optimizer, resume), then :func:`train`'s loop in a fixed order (lr, micro-batches, clip, step,
