@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -233,3 +234,35 @@ def test_cli_synthesize_writes_distinct_prompts_and_resumes(tmp_path):
     assert all(r["messages"][1]["role"] == "assistant" for r in second)
     stats = json.loads((tmp_path / "synth.stats.json").read_text())
     assert stats["synthesize"]["accepted"] == 3 and stats["synthesize"]["already_done"] == 6
+
+
+def test_synthesis_killed_mid_round_keeps_its_prompts_and_the_rerun_continues(tmp_path):
+    """Prompts are written as they are decided (in attempt order), not when the whole round of
+    attempts ends: a SIGKILL while the round runs leaves them, and the rerun keeps them and adds
+    the rest."""
+    from specforge.cli import main
+
+    def args(out):
+        return ["prepare", "--target", "smollm2-135m", "--output", str(out), "--synthesize", "12",
+                "regenerate.max_new_tokens=8", "synthesize.batch_size=4"]  # fmt: skip
+
+    def prompts(out):
+        path = out.with_name(out.stem + ".prompts.jsonl")
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    killed = tmp_path / "killed.jsonl"
+    cmd = [sys.executable, "-m", "specforge.cli", *args(killed)]
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while process.poll() is None and not prompts(killed):
+        time.sleep(0.05)
+    process.kill()
+    process.wait()
+    kept = prompts(killed)
+    assert 0 < len(kept) < 12, "the kill came after the round, not during it"
+    assert [r["attempt"] for r in kept] == sorted(r["attempt"] for r in kept)
+    assert main(args(killed)) == 0
+    after = prompts(killed)
+    assert after[: len(kept)] == kept  # nothing redone or lost
+    assert len(after) == 12 and len({r["prompt"] for r in after}) == 12
+    assert [r["attempt"] for r in after] == sorted({r["attempt"] for r in after})
+    assert len(killed.read_text().splitlines()) == 12

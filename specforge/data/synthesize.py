@@ -14,9 +14,12 @@ What a user would not want to train on is dropped, each reason counted:
 - ``mt_bench``: it shares a 6-word run with an MT-Bench question (the evaluation set; the runs
   ship hashed in ``mt_bench_6word_runs.txt``).
 
-Resumable: accepted prompts are appended to ``<output>.prompts.jsonl`` (``{"id", "prompt",
-"attempt"}``) as they are accepted. A rerun keeps them and continues from the next attempt, so
-asking for 96 after 64 adds 32. Attempt ``a`` samples with its own seed, ``(seed, a)``.
+Resumable: attempts are decided in attempt order, each as soon as every earlier one is, and
+accepted prompts are appended to ``<output>.prompts.jsonl`` (``{"id", "prompt", "attempt"}``)
+then, not when a round of attempts ends, so a kill loses none of them. A rerun keeps them and
+continues from the next attempt, so asking for 96 after 64 adds 32. Attempt ``a`` samples with
+its own seed, ``(seed, a)`` (the prompts a rerun adds can still differ from an uninterrupted
+run's: other rows share the batch, and fp32 batched arithmetic differs in its last bits).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import re
 import time
 import zlib
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -36,7 +40,12 @@ from tqdm import tqdm
 from specforge.config import SynthesizeConfig
 from specforge.data.chat import end_of_turn_ids, pad_id_of, render, with_system_prompt
 from specforge.data.conversations import Conversation
-from specforge.data.generation import ContinuousBatcher, GenerationSettings, Request
+from specforge.data.generation import (
+    Completion,
+    ContinuousBatcher,
+    GenerationSettings,
+    Request,
+)
 from specforge.errors import UserError
 from specforge.io import append_jsonl, read_jsonl
 
@@ -150,6 +159,17 @@ class SynthesisReport:
         }
 
 
+def in_key_order(completions: Iterable[Completion], first: int) -> Iterator[Completion]:
+    """``completions`` keyed ``first``, ``first + 1``, ... (arriving in any order) in key order,
+    each as soon as every lower key has arrived."""
+    waiting: dict[int, Completion] = {}
+    for completion in completions:
+        waiting[completion.key] = completion
+        while first in waiting:
+            yield waiting.pop(first)
+            first += 1
+
+
 def prompts_path(output: Path) -> Path:
     """Where the synthesized prompts of ``output`` are kept."""
     return output.with_name(output.stem + ".prompts.jsonl")
@@ -181,28 +201,32 @@ def synthesize_conversations(
     progress = tqdm(total=cfg.count, initial=min(len(kept), cfg.count), desc="synthesize")
     while len(kept) < cfg.count and report.attempts < cfg.max_attempts_factor * cfg.count:
         wanted = cfg.count - len(kept)
-        # over-ask a little: some prompts are dropped; decide in attempt order (deterministic)
-        pending = [
-            Request(a, prefix, seed=zlib.crc32(f"{cfg.seed}:{a}".encode()))
-            for a in range(attempt, attempt + wanted + wanted // 4 + 1)
-        ]
-        attempt += len(pending)
-        report.attempts += len(pending)
-        done = sorted(ContinuousBatcher(model, settings).run(pending), key=lambda c: c.key)
-        for completion in done:
+        # over-ask a little (some prompts are dropped); listed last attempt first, since the
+        # batcher takes equal-length prompts from the end: the lowest attempts start first
+        asked = range(attempt, attempt + wanted + wanted // 4 + 1)
+        pending = [Request(a, prefix, seed=zlib.crc32(f"{cfg.seed}:{a}".encode())) for a in asked]
+        pending.reverse()
+        # decided in attempt order (deterministic) as soon as the earlier attempts are, so
+        # accepted prompts are written as they come; the attempts still running when enough
+        # prompts are kept are abandoned
+        for completion in in_key_order(ContinuousBatcher(model, settings).run(pending), attempt):
+            attempt += 1
+            report.attempts += 1
             report.generated_tokens += len(completion.tokens)
             content = completion.tokens[:-1] if completion.stopped else completion.tokens
             text = tokenizer.decode(content, skip_special_tokens=True).strip()
             reason = prompt_filter.reason_to_drop(text, completion.stopped)
             if reason is not None:
                 report.dropped[reason] += 1
-            elif len(kept) < cfg.count:
-                prompt_filter.accept(text)
-                record = {"id": f"synth-{cfg.seed}-{completion.key}", "prompt": text}
-                record["attempt"] = completion.key
-                append_jsonl(path, [record])
-                kept.append(record)
-                progress.update(1)
+                continue
+            prompt_filter.accept(text)
+            record = {"id": f"synth-{cfg.seed}-{completion.key}", "prompt": text}
+            record["attempt"] = completion.key
+            append_jsonl(path, [record])
+            kept.append(record)
+            progress.update(1)
+            if len(kept) == cfg.count:
+                break
     progress.close()
     report.seconds = time.perf_counter() - start
     report.accepted = len(kept) - report.already_done

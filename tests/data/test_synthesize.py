@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 from specforge.config import SynthesizeConfig
+from specforge.data.generation import Completion
 from specforge.data.synthesize import (
     PromptFilter,
+    in_key_order,
     mt_bench_run_hashes,
     run_hash,
     user_turn_prefix,
@@ -71,3 +73,17 @@ def test_user_turn_prefix_is_the_template_up_to_the_user_text(tiny_tokenizer):
     tiny_tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}{% endfor %}"
     with pytest.raises(UserError, match="does not write user text verbatim"):
         user_turn_prefix(tiny_tokenizer, None)
+
+
+def test_completions_are_released_in_attempt_order_as_soon_as_the_earlier_ones_are_in():
+    events = []
+
+    def arriving():
+        for key in [7, 5, 6, 9, 8]:
+            events.append(f"in {key}")
+            yield Completion(key, [key], stopped=True)
+
+    for completion in in_key_order(arriving(), 5):
+        events.append(f"out {completion.key}")
+    assert events == ["in 7", "in 5", "out 5", "in 6", "out 6", "out 7", "in 9", "in 8", "out 8",
+                      "out 9"]  # fmt: skip
