@@ -241,27 +241,27 @@ def test_synthesis_killed_mid_round_keeps_its_prompts_and_the_rerun_continues(tm
     attempts ends: a SIGKILL while the round runs leaves them, and the rerun keeps them and adds
     the rest."""
     from specforge.cli import main
+    from specforge.data.synthesize import prompts_path
+    from specforge.io import read_jsonl
 
     def args(out):
         return ["prepare", "--target", "smollm2-135m", "--output", str(out), "--synthesize", "12",
                 "regenerate.max_new_tokens=8", "synthesize.batch_size=4"]  # fmt: skip
 
-    def prompts(out):
-        path = out.with_name(out.stem + ".prompts.jsonl")
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
     killed = tmp_path / "killed.jsonl"
+    path = prompts_path(killed)
     cmd = [sys.executable, "-m", "specforge.cli", *args(killed)]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while process.poll() is None and not prompts(killed):
+    # poll for a complete line (the writer may be mid-line), then kill
+    while process.poll() is None and not (path.exists() and b"\n" in path.read_bytes()):
         time.sleep(0.05)
     process.kill()
     process.wait()
-    kept = prompts(killed)
+    kept = read_jsonl(path, repair=True)  # as the rerun reads it: a torn last line dropped
     assert 0 < len(kept) < 12, "the kill came after the round, not during it"
     assert [r["attempt"] for r in kept] == sorted(r["attempt"] for r in kept)
     assert main(args(killed)) == 0
-    after = prompts(killed)
+    after = read_jsonl(path)
     assert after[: len(kept)] == kept  # nothing redone or lost
     assert len(after) == 12 and len({r["prompt"] for r in after}) == 12
     assert [r["attempt"] for r in after] == sorted({r["attempt"] for r in after})
