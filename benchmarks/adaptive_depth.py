@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--output", default="outputs/bench/adaptive_depth.json")
+    parser.add_argument("overrides", nargs="*", help="overrides: target.prepack_linear=false")
     args = parser.parse_args()
     cfg = load_config(
         None,
@@ -48,6 +49,7 @@ def main() -> None:
             f"bench.dtype={args.dtype}",
             f"bench.max_new_tokens={args.max_new_tokens}",
             "bench.prompt_lookup_num_tokens=0",  # the target alone is the baseline
+            *args.overrides,
         ],
     )
     comparison, tokenizer = build_comparison(cfg)

@@ -1,9 +1,10 @@
 """The fastest plain decoding the stack offers for the target, on this device: HF ``generate``
-with its dynamic cache (what ``specforge bench`` times as the target alone), with a static
-cache, with a static cache plus ``torch.compile``, and a hand-written greedy loop (``loop``:
-one forward per token on the speculative runtime's in-place cache, the last position's logits
-only, none of ``generate``'s machinery); tokens/s and whether each output equals the dynamic
-cache's. JSON + a table.
+with its dynamic cache (what ``specforge bench`` times as the target alone), the same with
+PyTorch's default linear instead of the prepacked one (``dynamic-unpacked``; see
+``target.prepack_linear``), with a static cache, with a static cache plus ``torch.compile``, and
+a hand-written greedy loop (``loop``: one forward per token on the speculative runtime's
+in-place cache, the last position's logits only, none of ``generate``'s machinery); tokens/s
+and whether each output equals the dynamic cache's. JSON + a table.
 
     python benchmarks/baseline_decoding.py --questions question.jsonl --limit 5
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -25,6 +27,7 @@ from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.kv_cache import growing_cache
 from specforge.data.questions import load_questions, resolve_question_set
 from specforge.io import write_json_atomic
+from specforge.models.packed_linear import default_linears
 from specforge.models.target import load_target
 from specforge.serving.bench import compiled_generate_kwargs
 
@@ -45,7 +48,7 @@ def plain_loop(model, ids: torch.Tensor, max_new_tokens: int, eos: list[int]) ->
 
 def method_kwargs(name: str) -> dict:
     """``generate`` keyword arguments of each decoding method."""
-    if name == "dynamic":
+    if name in ("dynamic", "dynamic-unpacked"):
         return {}
     if name == "static":
         return {"cache_implementation": "static", "disable_compile": True}
@@ -60,7 +63,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument(
-        "--methods", nargs="+", default=["dynamic", "static", "static+compile", "loop"]
+        "--methods",
+        nargs="+",
+        default=["dynamic", "dynamic-unpacked", "static", "static+compile", "loop"],
     )
     parser.add_argument("--output", default="outputs/bench/baseline_decoding.json")
     args = parser.parse_args()
@@ -77,15 +82,17 @@ def main() -> None:
     def generate(ids, name):
         if name == "loop":
             return plain_loop(model, ids, args.max_new_tokens, eos)
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=args.max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            **method_kwargs(name),
-        )
+        unpacked = default_linears(model) if name == "dynamic-unpacked" else nullcontext()
+        with unpacked:
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=args.max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=pad,
+                **method_kwargs(name),
+            )
         return out[0, ids.shape[1] :].tolist()
 
     rows, reference = [], None

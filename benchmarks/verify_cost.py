@@ -7,7 +7,9 @@ After a prefill of ``--context`` tokens, the target extends its KV cache by ``k`
 runtime's verification call: aux capture plus ``lm_head`` on every new position) and the cache
 is cropped back, for each ``k`` in ``--tokens``; a freshly initialized draft of the target's
 geometry extends its own cache by one token. Each figure is the median of ``--repeats`` timed
-calls after one warm-up call. Prints a table and writes JSON.
+calls after one warm-up call. Every figure is taken twice in the same run: with PyTorch's
+default linear, then with the linears prepacked (``target.prepack_linear``, the default on CPU in
+float32). Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from specforge.config import TORCH_DTYPES, TargetConfig, torch_dtype
 from specforge.io import write_json_atomic
 from specforge.models.eagle3 import DraftKVCache, Eagle3Config, build_draft_model
+from specforge.models.packed_linear import prepack_linears
 from specforge.models.target import default_aux_layer_ids, load_target
 from specforge.serving.speculative import SpeculativeDecoder, crop_cache
 
@@ -50,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import DynamicCache
 
-    target, _ = load_target(TargetConfig(args.target, dtype=args.dtype))
+    target, _ = load_target(TargetConfig(args.target, dtype=args.dtype, prepack_linear=False))
     config = target.config
     draft_vocab_size = min(8192, config.vocab_size)
     draft = build_draft_model(
@@ -77,7 +80,6 @@ def main() -> None:
 
         return call
 
-    target_ms = {k: median_ms(verify(k), args.repeats) for k in args.tokens}
     draft_cache = DraftKVCache()
     _, hidden = runtime._draft_extend(prompt, aux, 0, draft_cache)
 
@@ -86,21 +88,43 @@ def main() -> None:
         draft(prompt[:, -1:], hidden, position, cache=draft_cache)
         crop_cache(draft_cache, args.context)
 
+    def timings() -> dict:
+        target_ms = {k: median_ms(verify(k), args.repeats) for k in args.tokens}
+        return {
+            "target_forward_ms": target_ms,
+            "relative_to_one_token": {
+                k: v / target_ms[min(target_ms)] for k, v in target_ms.items()
+            },
+            "draft_step_ms": median_ms(draft_step, args.repeats),
+        }
+
+    # PyTorch's default linear, then the same models with their linears prepacked (the
+    # runtime's default on CPU in float32; see specforge/models/packed_linear.py)
+    kernels = {"default": timings()}
+    if prepack_linears(target) and prepack_linears(draft):
+        kernels["prepacked"] = timings()
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "target": args.target,
         "dtype": args.dtype,
         "context": args.context,
-        "target_forward_ms": target_ms,
-        "relative_to_one_token": {k: v / target_ms[min(target_ms)] for k, v in target_ms.items()},
-        "draft_step_ms": median_ms(draft_step, args.repeats),
+        **kernels["prepacked" if "prepacked" in kernels else "default"],
+        "linear_kernels": kernels,
     }
     write_json_atomic(Path(args.output), result)
     print(f"\n{args.target} ({args.dtype}), context {args.context}")
-    print("| new tokens | target forward ms | x one token |\n|---|---|---|")
-    for k, ms in target_ms.items():
-        print(f"| {k} | {ms:.1f} | {result['relative_to_one_token'][k]:.2f} |")
-    print(f"\ndraft step: {result['draft_step_ms']:.2f} ms\nwrote {args.output}")
+    names = list(kernels)
+    print("| new tokens | " + " | ".join(f"{n} ms | x one token" for n in names) + " |")
+    print("|---" * (1 + 2 * len(names)) + "|")
+    for k in args.tokens:
+        cells = [
+            f"{kernels[n]['target_forward_ms'][k]:.1f} | "
+            f"{kernels[n]['relative_to_one_token'][k]:.2f}"
+            for n in names
+        ]
+        print(f"| {k} | " + " | ".join(cells) + " |")
+    steps = ", ".join(f"{n} {kernels[n]['draft_step_ms']:.2f} ms" for n in names)
+    print(f"\ndraft step: {steps}\nwrote {args.output}")
 
 
 if __name__ == "__main__":

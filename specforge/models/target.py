@@ -38,6 +38,7 @@ from specforge.models.adapter import (
     norm_scale,
     text_config,
 )
+from specforge.models.packed_linear import prepack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -340,7 +341,9 @@ def load_target(
     Returns:
         ``(model, tokenizer)``; the model is in eval mode with gradients off, its ``sdpa``
         attention grouped (:func:`use_grouped_sdpa`) unless ``target.attn_implementation``
-        names one.
+        names one, and, on CPU in float32, its linear layers prepacked for few-row calls
+        (:func:`~specforge.models.packed_linear.prepack_linears`) unless
+        ``target.prepack_linear`` is off.
 
     Raises:
         UserError: unknown dtype, or a local path that does not exist.
@@ -367,6 +370,8 @@ def load_target(
         # HF's default sdpa copies the KV heads whenever a mask is passed (verification,
         # padded batches); one decision for every stage, the bench's baseline included
         use_grouped_sdpa(model)
+    if target.prepack_linear:
+        prepack_linears(model)  # on CPU in float32: decoding's few-row calls run faster
     check_logits(model)  # refuses a model whose logits the pipeline would derive wrongly
     return model, load_tokenizer(target)
 

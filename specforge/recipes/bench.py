@@ -21,6 +21,7 @@ from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.questions import ask_turns, load_questions, resolve_question_set
 from specforge.errors import UserError
 from specforge.models.adapter import text_config
+from specforge.models.packed_linear import prepack_linears
 from specforge.models.target import load_target, load_tokenizer
 from specforge.serving.bench import BenchTally, MethodComparison, bench_report, write_report
 from specforge.serving.export import exported_aux_layer_ids, load_exported_draft
@@ -52,6 +53,8 @@ def build_comparison(cfg: SpecForgeConfig) -> tuple[MethodComparison, Any]:
         target_embedding=target.get_input_embeddings().weight.detach().float(),
         dtype=torch_dtype(bc.dtype),
     ).to(cfg.target.device)
+    if cfg.target.prepack_linear:
+        prepack_linears(draft)  # its steps are one-row calls, like the target's decoding
     decoder = SpeculativeDecoder(
         target,
         draft,
