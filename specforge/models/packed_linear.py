@@ -32,6 +32,11 @@ from torch import nn
 MAX_PACKED_ROWS = 32
 """Calls with more rows than this use PyTorch's default (MKL is as fast from ~64 rows on)."""
 
+MIN_PACKED_WEIGHT = 1 << 18
+"""Smaller weights keep PyTorch's default: oneDNN's call costs ~50-100 us more on its own, which
+only a weight read from memory (not cache) pays back. SmolLM2's 192x576 key/value projections
+stay default; its 576x576 and larger layers are packed."""
+
 
 def packed_linear_available() -> bool:
     """Whether this PyTorch build has oneDNN's reordered-weight linear."""
@@ -68,7 +73,7 @@ class PackedLinear(nn.Linear):
             and x.device.type == "cpu"
             and x.dtype == torch.float32
             and weight.dtype == torch.float32
-            and type(weight.data) is torch.Tensor  # not a DTensor or another subclass
+            and type(weight) in (nn.Parameter, torch.Tensor)  # not a DTensor or other subclass
             and weight.device.type == "cpu"
             and x.dim() >= 1
             and x.shape[-1] == self.in_features
@@ -89,10 +94,13 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
 
 
-def prepack_linears(model: nn.Module, *, max_rows: int = MAX_PACKED_ROWS) -> int:
-    """Swap every ``nn.Linear`` of a float32 CPU ``model`` for a :class:`PackedLinear` sharing
-    its parameters (nothing is packed until a call uses it). Returns how many were swapped: 0
-    for a model on another device or in another dtype, or where this build lacks oneDNN."""
+def prepack_linears(
+    model: nn.Module, *, max_rows: int = MAX_PACKED_ROWS, min_weight: int = MIN_PACKED_WEIGHT
+) -> int:
+    """Swap every ``nn.Linear`` of a float32 CPU ``model`` whose weight has at least
+    ``min_weight`` elements for a :class:`PackedLinear` sharing its parameters (nothing is
+    packed until a call uses it). Returns how many were swapped: 0 for a model on another
+    device or in another dtype, or where this build lacks oneDNN."""
     weight = next(model.parameters(), None)
     if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return 0
@@ -102,7 +110,7 @@ def prepack_linears(model: nn.Module, *, max_rows: int = MAX_PACKED_ROWS) -> int
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear
+        if type(child) is nn.Linear and child.weight.numel() >= min_weight
     ]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear.wrap(child, max_rows=max_rows))

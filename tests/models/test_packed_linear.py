@@ -89,8 +89,8 @@ def test_prepack_keeps_parameters_and_tying_and_greedy_decoding():
     prompt = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(1))
     want = greedy_reference(target, prompt, 24)
     linears = sum(type(m) is nn.Linear for m in target.modules())
-    assert prepack_linears(target) == linears > 0
-    assert prepack_linears(draft) > 0
+    assert prepack_linears(target, min_weight=0) == linears > 0
+    assert prepack_linears(draft, min_weight=0) > 0
     assert not any(type(m) is nn.Linear for m in target.modules())
     assert list(target.state_dict()) == keys
     assert target.lm_head.weight is target.model.embed_tokens.weight
@@ -102,7 +102,8 @@ def test_prepack_keeps_parameters_and_tying_and_greedy_decoding():
     assert all(m._packed is not None for m in target.modules() if isinstance(m, PackedLinear))
 
 
-def test_prepack_leaves_other_dtypes_alone():
-    model = make_tiny_llama(96, num_layers=1).to(torch.bfloat16)
-    assert prepack_linears(model) == 0
+def test_prepack_leaves_other_dtypes_and_small_weights_alone():
+    model = make_tiny_llama(96, num_layers=1)
+    assert prepack_linears(model.to(torch.bfloat16), min_weight=0) == 0
+    assert prepack_linears(model.float()) == 0  # 64-wide: oneDNN's call overhead would lose
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
