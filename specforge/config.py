@@ -75,10 +75,11 @@ class TargetConfig:
     ``eager``) and runs its ``sdpa`` grouped-query (no KV-head copies, bit-identical; every
     stage alike). Tree drafting needs one whose masks come from a mask function (not flash)."""
     prepack_linear: bool = True
-    """On CPU in ``float32``, run the linear layers' calls of up to 32 rows (decoding,
-    verification, draft steps) on weights oneDNN reordered once (up to ~1.8x faster there;
-    results agree to float32 rounding, see ``specforge/models/packed_linear.py``); larger calls
-    and other devices or dtypes keep PyTorch's default. ``false`` keeps it everywhere."""
+    """On CPU in ``float32``, run the calls of up to 32 rows (decoding, verification, draft
+    steps) of the linear layers with at least 2^18 weights on weights oneDNN reordered once (up
+    to ~1.8x faster there; results agree to float32 rounding, see
+    ``specforge/models/packed_linear.py``); smaller layers, larger calls and other devices or
+    dtypes keep PyTorch's default. ``false`` keeps it everywhere."""
 
     def __post_init__(self) -> None:
         if not self.name_or_path:
