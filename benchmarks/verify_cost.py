@@ -26,7 +26,7 @@ import torch
 from specforge.config import TORCH_DTYPES, TargetConfig, torch_dtype
 from specforge.io import write_json_atomic
 from specforge.models.eagle3 import DraftKVCache, Eagle3Config, build_draft_model
-from specforge.models.packed_linear import prepack_linears
+from specforge.models.packed_linear import PackedLinear, default_linears, prepack_linears
 from specforge.models.target import default_aux_layer_ids, load_target
 from specforge.serving.speculative import SpeculativeDecoder, crop_cache
 
@@ -53,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import DynamicCache
 
-    target, _ = load_target(TargetConfig(args.target, dtype=args.dtype, prepack_linear=False))
+    target, _ = load_target(TargetConfig(args.target, dtype=args.dtype))
     config = target.config
     draft_vocab_size = min(8192, config.vocab_size)
     draft = build_draft_model(
@@ -99,9 +99,12 @@ def main() -> None:
         }
 
     # PyTorch's default linear, then the same models with their linears prepacked (the
-    # runtime's default on CPU in float32; see specforge/models/packed_linear.py)
-    kernels = {"default": timings()}
-    if prepack_linears(target) + prepack_linears(draft):  # both, whatever either swaps
+    # runtime's default on CPU in float32, as the bench loads them; see
+    # specforge/models/packed_linear.py)
+    prepack_linears(draft)
+    with default_linears(target), default_linears(draft):
+        kernels = {"default": timings()}
+    if any(isinstance(m, PackedLinear) for m in (*target.modules(), *draft.modules())):
         kernels["prepacked"] = timings()
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
