@@ -166,13 +166,16 @@ def torchrun(nproc: int, script: str, *args: str) -> subprocess.CompletedProcess
 
 class StubDraft(torch.nn.Module):
     """A draft that knows the target's greedy continuation and proposes it, except at the
-    positions ``wrong_at`` chooses (where it proposes a different token)."""
+    positions ``wrong_at`` chooses (where it proposes a different token). Its proposal gets
+    logit 1 against 0 elsewhere; with ``sure`` set, a right proposal gets logit ``sure`` (the
+    draft is confident where it is right and unsure where it is wrong)."""
 
-    def __init__(self, reference: list[int], wrong_at, vocab_size: int):
+    def __init__(self, reference: list[int], wrong_at, vocab_size: int, sure: float = 1.0):
         super().__init__()
         self.reference = reference
         self.wrong_at = wrong_at
         self.vocab_size = vocab_size
+        self.sure = sure
         self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long))
         self.forwards = 0
         """Forward calls so far (extensions and draft steps)."""
@@ -198,9 +201,10 @@ class StubDraft(torch.nn.Module):
         logits = torch.zeros(1, input_ids.shape[1], self.vocab_size)
         for i, t in enumerate(position_ids[0].tolist()):
             token = self.reference[t + 2] if t + 2 < len(self.reference) else 0
+            logit = self.sure
             if self.wrong_at(t):
-                token = (token + 1) % self.vocab_size
-            logits[0, i, token] = 1.0
+                token, logit = (token + 1) % self.vocab_size, 1.0
+            logits[0, i, token] = logit
         return logits[:, -logits_to_keep:], torch.zeros(1, input_ids.shape[1], 64)
 
 

@@ -1,9 +1,10 @@
 """Cost-aware adaptive drafting (``bench.num_steps: auto``, chain drafting): before each round,
 pick the depth that maximises expected tokens per second on this device.
 
-- **Costs** (:class:`CostModel`, measured once by :func:`calibrate`): the target's forward over
-  ``n = 1 .. max_depth + 1`` new tokens after a context, and one draft step; plus the time a
-  round spends outside both (a running average of what the runtime measures).
+- **Costs** (:class:`CostModel`, measured at start-up by :func:`calibrate`): the target's
+  forward over ``n = 1 .. max_depth + 1`` new tokens after a context, and one draft step; plus
+  the time a round spends outside both. During generation, each verification's width and the
+  time outside keep running averages of what rounds really cost.
 - **Acceptance** (:class:`AcceptanceEstimate`): the conditional acceptance ``c_k`` of draft
   position ``k`` given positions ``< k`` were accepted, from counts that decay with each new
   observation of that position (a window of about ``1 / (1 - decay)`` observations, so a
@@ -24,11 +25,13 @@ pick the depth that maximises expected tokens per second on this device.
   ``0 .. max_depth`` with the largest ``E / T`` (0 is plain decoding: one target forward,
   while the draft still follows the text). Verification is unchanged, so it stays lossless.
 - **Dormancy** (:class:`Dormancy`): while plain decoding wins, the draft need not follow every
-  token. After a plain round it sleeps for a span of rounds (no extension, no decision: the
-  target decodes alone), then extends over everything it skipped in one forward and decides
-  again. The span doubles with each such probe that decodes plainly again and resets when a
-  round drafts, so a draft that pays now and then is looked at often, and one that never pays
-  costs a forward every ``max_span`` tokens instead of one per token.
+  token. After a plain round that the position estimates chose too (not one where a single
+  token the draft was unsure of stopped a draft that pays in general), it sleeps for a span of
+  rounds (no extension, no decision: the target decodes alone), then extends over everything it
+  skipped in one forward and decides again. The span doubles with each such probe that decodes
+  plainly again and resets when a round drafts, so a draft that pays now and then is looked at
+  often, and one that never pays costs a forward every ``max_span`` tokens instead of one per
+  token.
 - **Sampling** rounds learn from plain rounds too: with the target's distribution ``p`` and the
   draft's ``q`` for the next position in hand, the first position's acceptance would have been
   ``sum(min(p, q))`` (:func:`first_acceptance`), observed as a fractional hit.
@@ -40,6 +43,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -55,6 +59,14 @@ class CostModel:
     other: float = 0.0
     """Per round, outside drafting and verification (the draft's extension over the accepted
     tokens, acceptance, cache crops, Python): a running average the runtime keeps."""
+    calibrated: list[float] = field(init=False)
+    """``verify`` as measured at start-up (:meth:`observe_verify` moves ``verify`` since)."""
+
+    adapt: ClassVar[float] = 0.1
+    """The weight of each new measurement in the running averages."""
+
+    def __post_init__(self) -> None:
+        self.calibrated = list(self.verify)
 
     @property
     def max_depth(self) -> int:
@@ -66,8 +78,20 @@ class CostModel:
         included), so drafting ``K`` tokens takes ``K - 1`` draft steps."""
         return self.verify[depth] + max(depth - 1, 0) * self.draft_step + self.other
 
+    def observe_verify(self, width: int, seconds: float) -> None:
+        """A verification of ``width`` tokens measured during generation: the start-up
+        figure becomes a running average of what rounds of that width really cost (the
+        context grows; a calibration timed in a noisy moment is corrected by the depths it
+        makes the picker choose)."""
+        self.verify[width - 1] += self.adapt * (seconds - self.verify[width - 1])
+
+    def observe_other(self, seconds: float) -> None:
+        """A round's time outside drafting and verification, into the running average."""
+        self.other += self.adapt * (seconds - self.other)
+
     def as_dict(self) -> dict[str, object]:
         return {
+            "calibrated_verify_ms": [round(1000 * s, 3) for s in self.calibrated],
             "verify_ms": [round(1000 * s, 3) for s in self.verify],
             "draft_step_ms": round(1000 * self.draft_step, 3),
             "other_ms": round(1000 * self.other, 3),
@@ -165,7 +189,8 @@ class Dormancy:
         return False
 
     def woke(self, depth: int) -> None:
-        """After a round the draft was awake for, with the depth that round verified."""
+        """After a round the draft was awake for, with the depth that round verified, or for a
+        plain round, the depth the position estimates alone would choose (0: sleep)."""
         self.span = min(max(2 * self.span, 1), self.max_span) if depth == 0 else 0
         self.left = self.span
 
@@ -201,32 +226,39 @@ class ConfidenceCalibration:
         self.counts.observe(self._bin(q), hit)
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) -> float:
-    times = []
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        times.append(clock() - start)
-    return statistics.median(times)
-
-
 @torch.no_grad()
 def calibrate(
     verify_forward: Callable[[int], object],
     draft_step: Callable[[], object],
     *,
     max_depth: int,
-    repeats: int = 5,
+    repeats: int = 7,
     clock: Callable[[], float] = time.perf_counter,
 ) -> CostModel:
     """Measure a :class:`CostModel`: ``verify_forward(n)`` runs the target over ``n`` new
     tokens after a fixed context (and restores it); ``draft_step()`` runs one draft step. Every
     width is run twice to warm up before anything is timed (the first forwards after loading
-    ran up to 1.5x slower here), then each is timed ``repeats`` times (the median is kept)."""
+    ran up to 1.5x slower here). Then ``repeats`` passes each time every width and a draft
+    step, and each keeps its median: interleaved, a slow spell of the machine touches every
+    width alike instead of all the runs of one (timed one width after another, a single
+    spell once made 3 tokens look dearer than 4-6 here)."""
     widths = range(1, max_depth + 2)
     for _ in range(2):
         for n in widths:
             verify_forward(n)
         draft_step()
-    verify = [_median_seconds(lambda n=n: verify_forward(n), repeats, clock) for n in widths]
-    return CostModel(verify=verify, draft_step=_median_seconds(draft_step, repeats, clock))
+    verify: list[list[float]] = [[] for _ in widths]
+    draft: list[float] = []
+    for _ in range(repeats):
+        for n in widths:
+            verify[n - 1].append(_seconds(lambda n=n: verify_forward(n), clock))
+        draft.append(_seconds(draft_step, clock))
+    return CostModel(
+        verify=[statistics.median(times) for times in verify], draft_step=statistics.median(draft)
+    )
+
+
+def _seconds(fn: Callable[[], object], clock: Callable[[], float]) -> float:
+    start = clock()
+    fn()
+    return clock() - start

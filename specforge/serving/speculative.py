@@ -358,8 +358,11 @@ class SpeculativeDecoder:
         if depth:
             verify_ids = torch.cat([verify_ids, draft_tokens[:depth]])
         target_logits, aux = self._target_forward(verify_ids[None], target_cache)
+        verify_seconds = self._clock() - drafted
         stats.draft_seconds += drafted - start
-        stats.verify_seconds += self._clock() - drafted
+        stats.verify_seconds += verify_seconds
+        if self.auto:
+            self.costs.observe_verify(depth + 1, verify_seconds)
         # 3. accept
         if not depth:
             accepted, bonus = 0, self._plain_token(target_logits[-1])
@@ -426,7 +429,9 @@ class SpeculativeDecoder:
         logits, aux = self._target_forward(
             torch.tensor([[next_token]], device=self.device), target_cache
         )
-        stats.verify_seconds += self._clock() - start
+        verify_seconds = self._clock() - start
+        stats.verify_seconds += verify_seconds
+        self.costs.observe_verify(1, verify_seconds)
         stats.depth_per_round.append(0)
         stats.dormant_rounds += 1
         return [self._plain_token(logits[-1])], 0, aux
@@ -527,7 +532,10 @@ class SpeculativeDecoder:
                     next_token, length, draft_logits, hidden, target_cache, draft_cache, stats
                 )
                 if dormancy is not None:
-                    dormancy.woke(stats.depth_per_round[-1])
+                    # a plain round because this one token looked unlikely is no reason to
+                    # sleep while drafting pays in general
+                    depth = stats.depth_per_round[-1]
+                    dormancy.woke(depth or best_depth(self.estimate.rates(), self.costs))
             length += len(new_tokens)
             stats.verifications += 1
             stats.accepted_per_round.append(accepted)
@@ -546,7 +554,7 @@ class SpeculativeDecoder:
                     - round_start
                     - (stats.draft_seconds + stats.verify_seconds - measured)
                 )
-                self.costs.other += 0.1 * (other - self.costs.other)
+                self.costs.observe_other(other)
         stats.emitted = len(output) - 1  # the first token comes from the prefill
         stats.seconds = self._clock() - start_time
         return output[:max_new_tokens], stats

@@ -25,6 +25,13 @@ CPU_COSTS = CostModel(
 )
 
 
+class FixedCosts(CostModel):
+    """Costs that keep their figures: a tiny test model's real round times would otherwise
+    replace the widths it verifies, beside the CPU figures of the widths it does not."""
+
+    adapt = 0.0
+
+
 def test_expected_tokens_is_one_plus_the_chain_products():
     assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
     assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
@@ -75,8 +82,40 @@ def test_calibration_times_every_verify_width_and_a_draft_step():
         lambda n: seen.append(n), lambda: None, max_depth=3, repeats=3, clock=lambda: next(ticks)
     )
     assert len(costs.verify) == 4 and costs.max_depth == 3
-    # two warm-up passes over every width, then 3 timed runs of each
-    assert seen == [1, 2, 3, 4] * 2 + [1] * 3 + [2] * 3 + [3] * 3 + [4] * 3
+    # two warm-up passes over every width, then 3 timed passes, each over every width
+    assert seen == [1, 2, 3, 4] * 2 + [1, 2, 3, 4] * 3
+    assert costs.calibrated == costs.verify
+
+
+def test_calibration_keeps_each_width_s_median_of_interleaved_passes():
+    # a slow spell over the second of three timed passes (verify calls 10-12 after six
+    # warm-up calls and a first pass; draft step 4 after two warm-ups and one): interleaved,
+    # it costs every width one slow run, so each median keeps the steady figure (timed one
+    # width after another, it would have taken all three runs of width 2)
+    now, calls = [0.0], {"verify": 0, "draft": 0}
+
+    def verify(n):
+        calls["verify"] += 1
+        now[0] += 100.0 if 9 < calls["verify"] <= 12 else float(n)
+
+    def draft_step():
+        calls["draft"] += 1
+        now[0] += 100.0 if calls["draft"] == 4 else 0.5
+
+    costs = calibrate(verify, draft_step, max_depth=2, repeats=3, clock=lambda: now[0])
+    assert costs.verify == [1.0, 2.0, 3.0] and costs.draft_step == 0.5
+
+
+def test_costs_follow_what_rounds_of_a_width_really_cost():
+    costs = CostModel(verify=[0.05, 0.05, 0.05], draft_step=0.002)
+    for _ in range(100):
+        costs.observe_verify(2, 0.09)  # depth 1 verifies 2 tokens; they cost more than timed
+        costs.observe_other(0.004)
+    assert costs.verify[1] == pytest.approx(0.09, rel=1e-3)
+    assert costs.verify[0] == costs.verify[2] == 0.05  # widths not verified keep their figure
+    assert costs.calibrated == [0.05, 0.05, 0.05]  # the start-up figures stay reported
+    assert costs.other == pytest.approx(0.004, rel=1e-3)
+    assert costs.as_dict()["calibrated_verify_ms"] == [50.0, 50.0, 50.0]
 
 
 @pytest.mark.parametrize("agree", ["always", "never", "sometimes"])
@@ -92,7 +131,7 @@ def test_auto_depth_is_lossless_and_settles_where_it_pays(target, agree):  # noq
     decoder = SpeculativeDecoder(
         target, StubDraft(reference, wrong_at, VOCAB), aux_layer_ids=[1, 1, 0], num_steps="auto"
     )
-    decoder.costs = CostModel(verify=list(CPU_COSTS.verify), draft_step=CPU_COSTS.draft_step)
+    decoder.costs = FixedCosts(verify=list(CPU_COSTS.verify), draft_step=CPU_COSTS.draft_step)
     tokens, stats = decoder.generate(prompt, max_new_tokens=120)
     assert tokens == reference[prompt.shape[1] :]
     assert len(stats.depth_per_round) == stats.verifications
@@ -106,6 +145,42 @@ def test_auto_depth_is_lossless_and_settles_where_it_pays(target, agree):  # noq
         awake = stats.verifications - stats.dormant_rounds
         assert stats.dormant_rounds > stats.verifications * 3 // 4
         assert decoder.draft_model.forwards == 1 + (awake - 1)
+
+
+def test_a_plain_round_for_one_unsure_token_does_not_put_a_paying_draft_to_sleep(target):  # noqa: F811
+    # the draft is right and sure except at every 4th position, where it is wrong and unsure:
+    # auto decodes those plainly (its confidence says the token fails) but, drafting paying in
+    # general, never sleeps through the rounds after them
+    torch.manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    reference = greedy_reference(target, prompt, 120)
+    draft = StubDraft(reference, lambda t: t % 4 == 0, VOCAB, sure=12.0)
+    decoder = SpeculativeDecoder(target, draft, aux_layer_ids=[1, 1, 0], num_steps="auto")
+    decoder.costs = FixedCosts(verify=list(CPU_COSTS.verify), draft_step=CPU_COSTS.draft_step)
+    tokens, stats = decoder.generate(prompt, max_new_tokens=120)
+    assert tokens == reference[prompt.shape[1] :]
+    assert stats.depth_histogram.get(0, 0) > 5
+    assert stats.dormant_rounds == 0
+
+
+def test_auto_rounds_feed_their_verify_times_into_the_costs(target):  # noqa: F811
+    torch.manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    reference = greedy_reference(target, prompt, 40)
+    decoder = SpeculativeDecoder(
+        target,
+        StubDraft(reference, lambda t: t % 3 == 0, VOCAB),
+        aux_layer_ids=[1, 1, 0],
+        num_steps="auto",
+    )
+    decoder.costs = CostModel(verify=[1.0] * (AUTO_MAX_DEPTH + 1), draft_step=0.0015)  # far off
+    tokens, stats = decoder.generate(prompt, max_new_tokens=40)
+    assert tokens == reference[prompt.shape[1] :]
+    verified = {depth + 1 for depth in stats.depth_per_round}
+    for width in range(1, AUTO_MAX_DEPTH + 2):
+        moved = decoder.costs.verify[width - 1] < 1.0  # the tiny model verifies in milliseconds
+        assert moved == (width in verified), width
+    assert decoder.costs.calibrated == [1.0] * (AUTO_MAX_DEPTH + 1)
 
 
 def test_dormancy_doubles_its_sleep_while_plain_rounds_win_and_wakes_for_a_drafting_round():
