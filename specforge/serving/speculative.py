@@ -347,7 +347,7 @@ class SpeculativeDecoder:
             )
             depth = len(probs)
         else:
-            depth = best_depth(self.estimate.rates(), self.costs) if self.auto else self.num_steps
+            depth = self._estimated_depth() if self.auto else self.num_steps
             if depth:
                 draft_tokens, draft_probs = self.draft(
                     draft_logits, hidden, length - 1, draft_cache, steps=depth
@@ -411,6 +411,11 @@ class SpeculativeDecoder:
             step_position = torch.tensor([[position + depth]], device=self.device)
             step_logits, hidden = self.draft_model(token[None], hidden, step_position, cache=cache)
             logits = step_logits[0, -1]
+
+    def _estimated_depth(self) -> int:
+        """The depth the per-position estimates alone choose (``auto``): 0 when drafting does
+        not pay in general, whatever the draft's confidence in one token."""
+        return best_depth(self.estimate.rates(), self.costs)
 
     def _learn(self, depth: int, accepted: int, bonus: int, probs: list[float], candidate):
         """``auto``'s estimates after a round: the positions reached, the drafted tokens'
@@ -531,11 +536,8 @@ class SpeculativeDecoder:
                 new_tokens, accepted, aux = round_(
                     next_token, length, draft_logits, hidden, target_cache, draft_cache, stats
                 )
-                if dormancy is not None:
-                    # a plain round because this one token looked unlikely is no reason to
-                    # sleep while drafting pays in general
-                    depth = stats.depth_per_round[-1]
-                    dormancy.woke(depth or best_depth(self.estimate.rates(), self.costs))
+                if dormancy is not None:  # one unsure token's plain round is no reason to sleep
+                    dormancy.woke(stats.depth_per_round[-1] or self._estimated_depth())
             length += len(new_tokens)
             stats.verifications += 1
             stats.accepted_per_round.append(accepted)
