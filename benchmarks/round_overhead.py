@@ -8,6 +8,8 @@ tree), one after the other; prints each run's ``cost`` block side by side and wr
 "Outside draft and verify" is everything a round spends besides drafting and the target's
 verification forward: the draft's extension over the accepted tokens, the prefills spread over
 the rounds, and the rest (an earlier commit reports all of it as one ``other_ms_per_round``).
+Where the commit reports it, the target's own prefill (which the target alone pays too) is
+shown apart, and "added" is the rest of "outside": what speculation itself adds.
 The current checkout runs without the prompt-lookup baseline and with the earlier commit's
 target baseline (HF generate's dynamic cache), so both speedup columns mean the same. Run it
 alone: a second CPU-heavy process slows PyTorch many times over.
@@ -96,19 +98,24 @@ def main() -> None:
                     "draft_ms": cost["draft_ms_per_round"],
                     "verify_ms": cost["verify_ms_per_round"],
                     "outside_ms": round(outside_ms(cost), 2),
+                    "target_prefill_ms": cost.get("target_prefill_ms_per_round"),
+                    "added_ms": cost.get("added_ms_per_round"),
                     "cost": cost,
                 }
             )
     write_json_atomic(output / "round_overhead.json", {"settings": vars(args), "rows": summary})
     print(
         "\n| setting | commit | tau | draft ms | verify ms | outside draft+verify ms | "
-        "speedup | identical |\n|---|---|---:|---:|---:|---:|---:|---|"
+        "of which target prefill | added | speedup | identical |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
     )
     for r in summary:
+        split = [r["target_prefill_ms"], r["added_ms"]]
+        split_cells = " | ".join("" if v is None else f"{v:.1f}" for v in split)
         print(
             f"| {r['setting']} | {r['commit']} | {r['tau']:.2f} | {r['draft_ms']:.1f} | "
-            f"{r['verify_ms']:.1f} | {r['outside_ms']:.1f} | {r['speedup']:.2f}x | "
-            f"{r['all_match']} |"
+            f"{r['verify_ms']:.1f} | {r['outside_ms']:.1f} | {split_cells} | "
+            f"{r['speedup']:.2f}x | {r['all_match']} |"
         )
     print(f"\nwrote {output}/round_overhead.json")
 

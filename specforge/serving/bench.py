@@ -185,20 +185,27 @@ def round_costs(total: SpecStats, target_seconds: float, target_tokens: int) -> 
     ``round_ms`` spreads the whole speculative time over the rounds: drafting, verification,
     the draft's extension over the accepted tokens, the prefills (target and draft over each
     prompt, spread over its rounds) and the rest (``other``: acceptance, cache crops, Python).
+    ``target_prefill_ms_per_round`` is the part of the prefills the target alone pays too, so
+    ``added_ms_per_round`` (extension, the draft's prefill and the rest) is what speculation
+    adds outside drafting and verification.
     The speedup is about ``tau * target_ms_per_token / round_ms``, so ``tau_for_1x`` /
     ``tau_for_1.3x`` are the accept lengths these costs need.
     """
     rounds = max(total.verifications, 1)
     round_ms = 1000 * total.seconds / rounds
     target_ms = 1000 * target_seconds / max(target_tokens, 1)
-    parts = total.draft_seconds + total.verify_seconds + total.extend_seconds
+    parts = total.draft_seconds + total.verify_seconds
+    outside = total.seconds - parts
+    rest = outside - total.extend_seconds - total.prefill_seconds
     return {
         "target_ms_per_token": target_ms,
         "draft_ms_per_round": 1000 * total.draft_seconds / rounds,
         "verify_ms_per_round": 1000 * total.verify_seconds / rounds,
         "extend_ms_per_round": 1000 * total.extend_seconds / rounds,
         "prefill_ms_per_round": 1000 * total.prefill_seconds / rounds,
-        "other_ms_per_round": 1000 * (total.seconds - parts - total.prefill_seconds) / rounds,
+        "other_ms_per_round": 1000 * rest / rounds,
+        "target_prefill_ms_per_round": 1000 * total.target_prefill_seconds / rounds,
+        "added_ms_per_round": 1000 * (outside - total.target_prefill_seconds) / rounds,
         "round_ms": round_ms,
         "tau_for_1x": round_ms / target_ms,
         "tau_for_1.3x": 1.3 * round_ms / target_ms,

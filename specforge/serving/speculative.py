@@ -81,6 +81,9 @@ class SpecStats:
     features), which also yields the next round's first draft token."""
     prefill_seconds: float = 0.0
     """Of which the prefills: the target over the prompt and the draft over its features."""
+    target_prefill_seconds: float = 0.0
+    """Of the prefills, the target's forward over the prompt and its first token: what
+    decoding with the target alone pays too."""
     dormant_rounds: int = 0
     """Plain rounds the draft slept through (``auto``: no extension, no decision)."""
 
@@ -121,6 +124,7 @@ class SpecStats:
         self.verify_seconds += other.verify_seconds
         self.extend_seconds += other.extend_seconds
         self.prefill_seconds += other.prefill_seconds
+        self.target_prefill_seconds += other.target_prefill_seconds
         self.dormant_rounds += other.dormant_rounds
 
 
@@ -509,6 +513,7 @@ class SpeculativeDecoder:
         self.generator = generator
         logits, aux = self._target_forward(input_ids, target_cache, logits_to_keep=1)
         next_token = self._plain_token(logits[-1])
+        stats.target_prefill_seconds = self._clock() - start_time
         output = [next_token]
         tokens = torch.cat([input_ids[:, 1:], torch.tensor([[next_token]], device=self.device)], 1)
         draft_logits, hidden = self._draft_extend(tokens, aux, 0, draft_cache)

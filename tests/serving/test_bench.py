@@ -54,6 +54,11 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
     names = ("draft", "verify", "extend", "prefill", "other")
     parts = sum(cost[f"{name}_ms_per_round"] for name in names)
     assert abs(parts - cost["round_ms"]) < 1e-6 and cost["prefill_ms_per_round"] > 0
+    # the target's own prefill is part of the prefills; the rest of "outside" is what
+    # speculation adds
+    assert 0 < cost["target_prefill_ms_per_round"] < cost["prefill_ms_per_round"]
+    outside = cost["round_ms"] - cost["draft_ms_per_round"] - cost["verify_ms_per_round"]
+    assert abs(cost["added_ms_per_round"] + cost["target_prefill_ms_per_round"] - outside) < 1e-6
     assert result["depth_histogram"] == {
         "3": sum(len(t["accepted_per_round"]) for t in result["turn_details"])
     }
