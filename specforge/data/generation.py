@@ -149,7 +149,8 @@ class ContinuousBatcher:
     def _next_tokens(self, logits: torch.Tensor, generators) -> torch.Tensor:
         """(B, V) last-position logits -> (B,) next ids (greedy, or each row's own sample)."""
         if self.settings.temperature <= 0:
-            return logits.argmax(-1)
+            # the first maximum, as argmax, but ~4x faster over a bf16 vocabulary on CPU
+            return logits.max(-1).indices
         probs = warp_probs(logits, self.settings.temperature, self.settings.top_p)
         drawn = [
             torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)
