@@ -12,7 +12,8 @@ trains the default recipe for ``--epochs`` passes over its data (at least ``--mi
 exports, and benches
 ``--questions`` (the first half of MT-Bench by default: 40 questions, both turns). Every stage
 writes its result under ``OUTPUT/size_N`` and is skipped on a rerun, so a killed run resumes.
-Run it alone: a second CPU-heavy process slows PyTorch many times over.
+Run it alone: a second CPU-heavy process slows PyTorch many times over (``--rebench SIZE``
+benches a finished size's draft again, alone, when something shared the CPU during its bench).
 """
 
 from __future__ import annotations
@@ -101,8 +102,40 @@ def grow_corpus(args, output: Path, size: int) -> dict:
     return json.loads((output / "corpus.stats.json").read_text())
 
 
-def train_and_bench(args, output: Path, size: int, corpus: Path) -> dict:
+def size_config(args, run: Path, steps: int):
+    """The recipe of one size: train on its frozen conversations, bench MT-Bench chain-N."""
+    return load_config(
+        DEFAULT_RECIPE,
+        [
+            f"output_dir={run}",
+            f"train.data_path={run / 'conversations.jsonl'}",
+            f"train.max_steps={steps}",
+            "train.resume=true",
+            f"bench.questions={args.questions}",
+            f"bench.limit={args.questions_limit}",
+            f"bench.num_steps={args.num_steps}",
+            f"bench.max_new_tokens={args.max_new_tokens}",
+            "bench.prompt_lookup_num_tokens=0",
+            *args.overrides,
+        ],
+    )
+
+
+def bench_fields(cfg) -> dict:
+    """Bench the exported draft of ``cfg``: the result's MT-Bench fields."""
     from specforge.recipes.bench import bench
+
+    measured = bench(cfg)
+    return {
+        "tau": measured["tau"],
+        "speedup": measured["speedup"],
+        "all_match": measured["all_match"],
+        "acceptance_per_position": measured["acceptance_per_position"],
+        "bench_turns": measured["turns"],
+    }
+
+
+def train_and_bench(args, output: Path, size: int, corpus: Path) -> dict:
     from specforge.recipes.export import export
     from specforge.recipes.train import train
 
@@ -116,29 +149,17 @@ def train_and_bench(args, output: Path, size: int, corpus: Path) -> dict:
         return result
     run.mkdir(parents=True, exist_ok=True)
     data = run / "conversations.jsonl"
-    shutil.copyfile(corpus, data)  # this size's conversations, frozen
+    if not data.exists():
+        # this size's conversations, frozen: a rerun after an interruption trains on the same
+        # data even if the corpus has grown since
+        shutil.copyfile(corpus, data)
     conversations = len(read_jsonl(data))
     steps = max(args.min_steps, args.epochs * conversations)
-    cfg = load_config(
-        DEFAULT_RECIPE,
-        [
-            f"output_dir={run}",
-            f"train.data_path={data}",
-            f"train.max_steps={steps}",
-            "train.resume=true",
-            f"bench.questions={args.questions}",
-            f"bench.limit={args.questions_limit}",
-            f"bench.num_steps={args.num_steps}",
-            f"bench.max_new_tokens={args.max_new_tokens}",
-            "bench.prompt_lookup_num_tokens=0",
-            *args.overrides,
-        ],
-    )
+    cfg = size_config(args, run, steps)
     start = time.perf_counter()
     trained = train(cfg)
     train_s = time.perf_counter() - start
     export(cfg)
-    measured = bench(cfg)
     result = {
         "size": size,
         "assistant_tokens": frozen_assistant_tokens(data),
@@ -146,14 +167,22 @@ def train_and_bench(args, output: Path, size: int, corpus: Path) -> dict:
         "train_steps": steps,
         "train_seconds": round(train_s, 1),
         "eval": trained.eval,
-        "tau": measured["tau"],
-        "speedup": measured["speedup"],
-        "all_match": measured["all_match"],
-        "acceptance_per_position": measured["acceptance_per_position"],
-        "bench_turns": measured["turns"],
+        **bench_fields(cfg),
     }
     write_json_atomic(result_path, result)
     return result
+
+
+def rebench(args, output: Path, size: int) -> None:
+    """Bench a finished size's export again (its timings, when another process shared the CPU
+    during the first bench), replacing the result's MT-Bench fields and keeping the rest."""
+    run = output / f"size_{size}"
+    result_path = run / "result.json"
+    if not result_path.exists():
+        raise SystemExit(f"--rebench {size}: {result_path} does not exist (run that size first)")
+    result = json.loads(result_path.read_text())
+    cfg = size_config(args, run, result["train_steps"])
+    write_json_atomic(result_path, {**result, **bench_fields(cfg), "rebenched": True})
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -187,10 +216,15 @@ def main() -> None:
     parser.add_argument("--min-steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=64, help="regeneration rows in flight")
     parser.add_argument("--output", default="outputs/scaling")
+    parser.add_argument(
+        "--rebench", type=int, nargs="+", default=[], help="finished sizes to bench again first"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted recipe overrides for every stage")
     args = parser.parse_args()
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
+    for size in args.rebench:
+        rebench(args, output, size)
     rows = []
     for size in sorted(args.sizes):
         grow_corpus(args, output, size)

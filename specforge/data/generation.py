@@ -32,7 +32,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from specforge.data.chat import left_padded
-from specforge.data.kv_cache import growing_cache
+from specforge.data.kv_cache import RowSpan, attention_row_spans, growing_cache
 
 
 def warp_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -92,6 +92,9 @@ class GenerationSettings:
     reclaim_fraction: float = 0.25
     """Finished rows stay (ignored) until this share of the batch is finished or prompts wait
     for a slot; then one compaction reclaims them."""
+    rows_per_span: int = 16
+    """Decode attention runs over spans of this many consecutive rows, each reading only the
+    key columns its longest row fills (:func:`~specforge.data.kv_cache.attention_row_spans`)."""
 
 
 @dataclass
@@ -202,14 +205,15 @@ class ContinuousBatcher:
         """One decode forward over every row's last token."""
         last = torch.tensor([t[-1] for t in batch.tokens], device=self.device)
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], 1)
-        out = self.model(
-            input_ids=last[:, None],
-            attention_mask=batch.mask,
-            position_ids=batch.positions[:, None],
-            past_key_values=batch.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with attention_row_spans(self._row_spans(batch.mask)):
+            out = self.model(
+                input_ids=last[:, None],
+                attention_mask=batch.mask,
+                position_ids=batch.positions[:, None],
+                past_key_values=batch.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         self.steps += 1
         batch.positions = batch.positions + 1
         for row, token in enumerate(
@@ -217,6 +221,18 @@ class ContinuousBatcher:
         ):
             if not batch.finished[row]:
                 batch.tokens[row].append(token)
+
+    def _row_spans(self, mask: torch.Tensor) -> list[RowSpan]:
+        """(start, end, columns) per :attr:`GenerationSettings.rows_per_span` rows: rows are
+        left-padded, so a span's real keys are its last ``columns``, from its earliest first
+        real column on. Rows join in order of age, so neighbours hold similar lengths."""
+        # the first maximum: each row's first real column
+        lengths = (mask.shape[1] - mask.max(-1).indices).tolist()
+        step = max(1, self.settings.rows_per_span)
+        return [
+            (start, min(start + step, len(lengths)), max(lengths[start : start + step]))
+            for start in range(0, len(lengths), step)
+        ]
 
     def _collect(self, batch: _Batch) -> Iterator[Completion]:
         """Mark rows that just ended and yield their completions."""

@@ -5,6 +5,10 @@ the speculative runtime (target and draft) extend and crop their caches every st
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -68,3 +72,29 @@ class GrowingKVLayer(DynamicLayer):
 def growing_cache() -> Cache:
     """An HF cache made of :class:`GrowingKVLayer` layers."""
     return Cache(layer_class_to_replicate=GrowingKVLayer)
+
+
+RowSpan = tuple[int, int, int]
+"""``(start, end, columns)``: batch rows ``start:end`` attend over their last ``columns`` keys."""
+
+_ROW_SPANS: ContextVar[list[RowSpan] | None] = ContextVar("row_spans", default=None)
+
+
+@contextmanager
+def attention_row_spans(spans: list[RowSpan]) -> Iterator[None]:
+    """Within this block, the target's grouped attention
+    (:func:`~specforge.models.target.grouped_sdpa_attention`) attends each span ``(start, end,
+    columns)`` of batch rows over its last ``columns`` cached key positions only. For left-padded
+    (right-aligned) rows, whose keys before that are padding in every row of the span: a batch
+    whose rows have very different lengths then reads only their real keys and values (attention
+    is bound by memory when decoding). Other attention implementations ignore it."""
+    token = _ROW_SPANS.set(spans)
+    try:
+        yield
+    finally:
+        _ROW_SPANS.reset(token)
+
+
+def current_row_spans() -> list[RowSpan] | None:
+    """The spans of the innermost :func:`attention_row_spans` block, or None outside one."""
+    return _ROW_SPANS.get()

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from specforge.config import TargetConfig, torch_dtype
+from specforge.data.kv_cache import current_row_spans
 from specforge.distributed import check_device
 from specforge.errors import UserError
 from specforge.io import atomic_directory, require_local
@@ -154,7 +155,8 @@ def grouped_sdpa_attention(
     the whole KV cache per layer and call) whenever a mask is passed, which a verification
     forward over several new tokens always does. Bit-identical outputs (tested); anything this
     simple path does not cover (soft-capping, position bias, attention sinks, paged caches) goes
-    to HF's own function."""
+    to HF's own function. Row spans (:func:`~specforge.data.kv_cache.attention_row_spans`) split
+    the batch."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     special = ("softcap", "position_bias", "s_aux", "sinks", "cache")
@@ -167,16 +169,29 @@ def grouped_sdpa_attention(
     is_causal = q_length > 1 and attention_mask is None and is_causal
     if is_causal and key.shape[2] > q_length:  # as HF: an empty static cache's prefill
         key, value = key[:, :, :q_length], value[:, :, :q_length]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=dropout,
-        scale=scaling,
-        is_causal=is_causal,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
+    spans = current_row_spans()
+    if spans is None or is_causal:
+        spans = [(0, query.shape[0], key.shape[2])]
+    parts = []
+    for start, end, columns in spans:
+        mask = attention_mask
+        if mask is not None:
+            # (B or 1, heads or 1, q, S): this span's rows (unless broadcast) and columns
+            mask = mask[start:end] if mask.shape[0] > 1 else mask
+            mask = mask[..., -columns:]
+        parts.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                query[start:end],
+                key[start:end, :, -columns:],
+                value[start:end, :, -columns:],
+                attn_mask=mask,
+                dropout_p=dropout,
+                scale=scaling,
+                is_causal=is_causal,
+                enable_gqa=query.shape[1] != key.shape[1],
+            )
+        )
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,6 +1,7 @@
 """Continuous batching gives what the target gives one prompt at a time (fp32, greedy), while
 rows join and leave the batch; sampled answers do not depend on their batch."""
 
+import pytest
 import torch
 
 from specforge.config import RegenerateConfig
@@ -8,6 +9,7 @@ from specforge.data.conversations import Conversation
 from specforge.data.generation import ContinuousBatcher, GenerationSettings, Request
 from specforge.data.regenerate import regenerate_conversations
 from specforge.io import read_jsonl
+from specforge.models.target import use_grouped_sdpa
 
 PROMPTS = [[5, 9, 2], [7] * 11, [3, 1, 4, 1, 5, 9, 2, 6], [8, 8], [1] * 20, [4, 4, 4, 4, 4], [6]]
 
@@ -25,10 +27,17 @@ def one_at_a_time(model, prompt, max_new_tokens, eos):
     return out[0, len(prompt) :].tolist()
 
 
-def test_continuous_batching_equals_one_prompt_at_a_time(tiny_target):
+@pytest.mark.parametrize("rows_per_span", [None, 1, 2])
+def test_continuous_batching_equals_one_prompt_at_a_time(tiny_target, rows_per_span):
+    """Also with the target's grouped attention reading each span of rows' real keys only
+    (``rows_per_span``; None: HF's sdpa, which reads every column)."""
     model, tokenizer = tiny_target
+    if rows_per_span:
+        assert use_grouped_sdpa(model)
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), 33]  # 33 also ends (so rows end early)
-    settings = GenerationSettings(max_new_tokens=12, eos_ids=eos, pad_id=0, max_batch_size=3)
+    settings = GenerationSettings(
+        max_new_tokens=12, eos_ids=eos, pad_id=0, max_batch_size=3, rows_per_span=rows_per_span or 3
+    )
     batcher = ContinuousBatcher(model, settings)
     pending = [Request(i, p) for i, p in enumerate(PROMPTS)]
     answers = {c.key: (c.tokens, c.stopped) for c in batcher.run(pending)}
@@ -40,6 +49,16 @@ def test_continuous_batching_equals_one_prompt_at_a_time(tiny_target):
             reference = reference[: reference.index(tokens[-1]) + 1]
         assert tokens == reference, i
         assert stopped == (tokens[-1] in eos)
+
+
+def test_row_spans_cover_each_rows_real_columns(tiny_target):
+    model, _ = tiny_target
+    settings = GenerationSettings(max_new_tokens=4, eos_ids=[1], pad_id=0, rows_per_span=2)
+    mask = torch.tensor(
+        [[0, 0, 1, 1, 1], [0, 0, 0, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1], [0, 1, 1, 1, 1]]
+    )
+    # rows 0-1 need their last 3 columns, rows 2-3 all 5, row 4 its last 4
+    assert ContinuousBatcher(model, settings)._row_spans(mask) == [(0, 2, 3), (2, 4, 5), (4, 5, 4)]
 
 
 def test_follow_up_requests_join_the_running_batch(tiny_target):

@@ -3,6 +3,7 @@
 import torch
 from transformers import DynamicCache
 
+from specforge.data.kv_cache import attention_row_spans
 from specforge.models.target import GROUPED_SDPA, use_grouped_sdpa
 from tests.helpers import make_tiny_llama
 
@@ -44,3 +45,34 @@ def test_only_sdpa_models_are_switched():
     model.set_attn_implementation("eager")
     assert not use_grouped_sdpa(model)
     assert model.config._attn_implementation == "eager"
+
+
+def test_row_spans_read_only_real_columns_and_change_nothing():
+    """A decode step over left-padded rows: spans that skip each span's padding columns give the
+    logits that attending every column gives (and dropping real columns would show)."""
+    model = make_tiny_llama(96, num_layers=2, seed=3).float()
+    assert use_grouped_sdpa(model)
+    torch.manual_seed(1)
+    lengths = [13, 4, 9, 1]
+    width = max(lengths)
+    ids = torch.randint(1, 96, (len(lengths), width))
+    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def decode(spans):
+        cache = DynamicCache()
+        model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        step_mask = torch.cat([mask, torch.ones(len(lengths), 1, dtype=mask.dtype)], 1)
+        with attention_row_spans(spans):
+            return model(
+                torch.randint(1, 96, (len(lengths), 1), generator=torch.Generator().manual_seed(2)),
+                attention_mask=step_mask,
+                position_ids=mask.sum(-1, keepdim=True),
+                past_key_values=cache,
+            ).logits
+
+    full = decode([(0, len(lengths), width + 1)])
+    spans = decode([(0, 1, 14), (1, 3, 10), (3, 4, 2)])
+    # the same sums over fewer masked blocks: equal up to float32 rounding (~1e-7 here)
+    torch.testing.assert_close(spans, full, rtol=0, atol=1e-6)
+    assert not torch.equal(decode([(0, 4, 8)]), full)  # columns a row needs, dropped: wrong
