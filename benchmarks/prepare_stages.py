@@ -3,14 +3,16 @@
     python benchmarks/prepare_stages.py --limit 16 --output outputs/bench/prepare_stages.json
 
 Steps: converting the GGUF to an HF folder (in a fresh cache, first load), loading the cached
-folder (every later load), self-distillation of the same prompts in the same run along three
+folder (every later load), self-distillation of the same prompts in the same run along these
 paths: ``today`` (fixed batches, ``regenerate.backend: static``, ``--baseline-batch-size``, in
-``--dtype``), ``continuous`` (continuous batching, ``--batch-size``, same dtype) and ``new``
-(continuous batching in ``--new-dtype``, what the CPU recipe runs), with generated tokens/s,
-their ratios to today's, how many answers are token-identical to today's, and how often
-decode -> re-encode differs from the generated ids;
-tokenization with loss masks (conversations/s), and the vocabulary map. Run it alone: a second
-CPU-heavy process slows PyTorch many times over.
+``--dtype``), ``continuous`` (continuous batching, ``--batch-size``, same dtype), ``new``
+(continuous batching in ``--new-dtype``, what the CPU recipe runs; the same run as
+``continuous`` when the dtypes agree) and, with ``--compare-row-spans``, ``one span``
+(``new`` with decode attention over the whole batch, as before ``regenerate.rows_per_span``),
+with generated tokens/s, their ratios to today's, how many answers are token-identical to
+today's, and how often decode -> re-encode differs from the generated ids; tokenization with
+loss masks (conversations/s), and the vocabulary map. Run it alone: a second CPU-heavy process
+slows PyTorch many times over.
 """
 
 from __future__ import annotations
@@ -33,16 +35,21 @@ from specforge.data.vocab import build_vocab_map, count_token_frequencies
 from specforge.io import read_jsonl, write_json_atomic
 from specforge.models.target import embedded_target_dir, load_target
 
-TODAY, SAME_DTYPE, NEW = "today", "continuous", "new"
+TODAY, SAME_DTYPE, NEW, ONE_SPAN = "today", "continuous", "new", "one span"
 
 
-def paths(args) -> dict[str, tuple[str, int, str]]:
-    """The regeneration paths compared: name -> (backend, batch size, dtype)."""
-    return {
-        TODAY: ("static", args.baseline_batch_size, args.dtype),
-        SAME_DTYPE: ("continuous", args.batch_size, args.dtype),
-        NEW: ("continuous", args.batch_size, args.new_dtype),
+def paths(args) -> dict[str, tuple[str, int, str, int]]:
+    """The regeneration paths compared: name -> (backend, batch size, dtype, rows per span)."""
+    spans = RegenerateConfig.rows_per_span
+    runs = {
+        TODAY: ("static", args.baseline_batch_size, args.dtype, spans),
+        SAME_DTYPE: ("continuous", args.batch_size, args.dtype, spans),
     }
+    if args.new_dtype != args.dtype:
+        runs[NEW] = ("continuous", args.batch_size, args.new_dtype, spans)
+    if args.compare_row_spans:
+        runs[ONE_SPAN] = ("continuous", args.batch_size, args.new_dtype, args.batch_size)
+    return runs
 
 
 def main() -> None:
@@ -57,6 +64,11 @@ def main() -> None:
         default="float32",
         choices=["bfloat16", "float32"],
         help="the new path's dtype (the CPU recipe's: float32 matmuls run ~2x bf16's here)",
+    )
+    parser.add_argument(
+        "--compare-row-spans",
+        action="store_true",
+        help="also run the new path with decode attention over the whole batch (one span)",
     )
     parser.add_argument("--output", default="outputs/bench/prepare_stages.json")
     args = parser.parse_args()
@@ -77,11 +89,7 @@ def main() -> None:
         models = {args.dtype: model}
         reports, answers = {}, {}
         runs = paths(args)
-        compared = (SAME_DTYPE, NEW) if runs[NEW] != runs[SAME_DTYPE] else (SAME_DTYPE,)
-        for path, (backend, batch_size, dtype) in runs.items():
-            if path not in (TODAY, *compared):
-                reports[NEW], answers[NEW] = reports[SAME_DTYPE], answers[SAME_DTYPE]
-                continue  # --new-dtype is --dtype: the same run
+        for path, (backend, batch_size, dtype, rows_per_span) in runs.items():
             if dtype not in models:
                 models[dtype], _ = load_target(TargetConfig(str(folder), dtype=dtype))
             cfg = RegenerateConfig(
@@ -89,6 +97,7 @@ def main() -> None:
                 backend=backend,
                 max_new_tokens=args.max_new_tokens,
                 batch_size=batch_size,
+                rows_per_span=rows_per_span,
             )
             with tempfile.TemporaryDirectory() as work:
                 output = Path(work) / "distilled.jsonl"
@@ -104,7 +113,9 @@ def main() -> None:
                     f"{report.generated_tokens / report.seconds:.0f} generated tok/s",
                 )
             )
-        written = [Conversation.from_record(r) for r in answers[NEW]]
+        compared = [path for path in runs if path != TODAY]
+        new = NEW if NEW in runs else SAME_DTYPE
+        written = [Conversation.from_record(r) for r in answers[new]]
         rate = {path: r.generated_tokens / r.seconds for path, r in reports.items()}
         identical = {
             path: sum(

@@ -153,6 +153,11 @@ class RegenerateConfig:
     batch_size: int = 16
     """Answers generated together: rows in flight (``continuous``) or conversations per fixed
     batch (``static``)."""
+    rows_per_span: int = 16
+    """``continuous``: decode attention runs over spans of this many neighbouring rows, each
+    reading only the cached columns its longest row fills (rows are left-padded, and a new
+    prompt sits beside answers hundreds of tokens long); ``batch_size`` or more: one span, every
+    row reads the longest row's columns. Outputs agree to float rounding either way."""
     temperature: float = 0.0
     """0 means greedy decoding; > 0 samples at this temperature."""
     top_p: float = 1.0
@@ -170,6 +175,8 @@ class RegenerateConfig:
             raise ConfigError(f"regenerate.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.batch_size < 1:
             raise ConfigError(f"regenerate.batch_size must be >= 1, got {self.batch_size}")
+        if self.rows_per_span < 1:
+            raise ConfigError(f"regenerate.rows_per_span must be >= 1, got {self.rows_per_span}")
         if self.concurrency < 1 or self.retries < 0 or self.retry_backoff_s < 0:
             raise ConfigError(
                 "regenerate.concurrency must be >= 1, retries and retry_backoff_s >= 0, got "
