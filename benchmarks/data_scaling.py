@@ -110,6 +110,7 @@ def size_config(args, run: Path, steps: int):
             f"output_dir={run}",
             f"train.data_path={run / 'conversations.jsonl'}",
             f"train.max_steps={steps}",
+            "train.max_minutes=null",  # the steps above, not the recipe's time cap
             "train.resume=true",
             f"bench.questions={args.questions}",
             f"bench.limit={args.questions_limit}",

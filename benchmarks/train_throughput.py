@@ -47,6 +47,7 @@ def main() -> None:
                 f"output_dir={scratch}",
                 f"train.data_path={data}",
                 f"train.max_steps={args.steps}",
+                "train.max_minutes=null",  # the steps above, not the recipe's time cap
                 f"train.log_every={args.warmup}",
                 "train.eval_fraction=0",
                 f"train.save_every={args.steps}",

@@ -64,6 +64,7 @@ def run_row(args, name: str, overrides: list[str], data: Path) -> dict:
             f"output_dir={folder}",
             f"train.data_path={data}",
             f"train.max_steps={args.steps}",
+            "train.max_minutes=null",  # the steps above, not the recipe's time cap
             f"train.eval_fraction={args.eval_fraction}",
             f"train.eval_every={args.steps}",
             f"train.save_every={args.steps}",

@@ -30,6 +30,8 @@ import yaml
 from specforge.errors import UserError
 
 Dtype = Literal["bfloat16", "float16", "float32"]
+DtypeOrAuto = Literal["bfloat16", "float16", "float32", "auto"]
+"""A dtype name, or ``auto`` (:func:`resolve_auto_dtype`)."""
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -37,6 +39,29 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
 }
 """Config dtype names -> torch dtypes (the one table every stage uses)."""
+
+
+def bfloat16_is_fast(device: str) -> bool:
+    """Whether bfloat16 matmuls outrun float32 ones on ``device``: a CUDA GPU with bfloat16
+    support, or a CPU with bfloat16 dot-product instructions: AMX tiles (Intel Sapphire Rapids
+    and later: ~4-6x float32 at 16+ rows) or AVX512-BF16 (AMD Zen 4/5, Intel Cooper Lake: ~3.4-4.4x
+    float32 at 16+ rows on a 2-core Zen 5, a 576x1536 linear). Without either, AVX-512 runs
+    bfloat16 at about half float32's speed and AVX2 at ~1/60."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if kind == "cpu":
+        probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+        return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+    return False
+
+
+def resolve_auto_dtype(name: str, device: str) -> str:
+    """``name``, or for ``auto`` the faster of ``bfloat16`` / ``float32`` on ``device``
+    (:func:`bfloat16_is_fast`)."""
+    if name != "auto":
+        return name
+    return "bfloat16" if bfloat16_is_fast(device) else "float32"
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -60,8 +85,11 @@ class TargetConfig:
 
     name_or_path: str = "smollm2-135m"
     """An HF model id, a local HF folder, or an embedded default name (``smollm2-135m``)."""
-    dtype: Dtype = "bfloat16"
-    """Weights and compute dtype of the target. Exact-equality checks want ``float32``."""
+    dtype: DtypeOrAuto = "bfloat16"
+    """Weights and compute dtype of the target. Exact-equality checks want ``float32``.
+    ``auto``: ``bfloat16`` where it is the faster one (a CUDA GPU, a CPU with AMX or
+    AVX512-BF16), else ``float32``; resolved when the config is built, so every stage sees the
+    concrete name."""
     device: str = "cpu"
     """Torch device for the target (``cpu``, ``cuda``, ``cuda:1``)."""
     trust_remote_code: bool = False
@@ -82,6 +110,7 @@ class TargetConfig:
     dtypes keep PyTorch's default. ``false`` keeps it everywhere."""
 
     def __post_init__(self) -> None:
+        self.dtype = resolve_auto_dtype(self.dtype, self.device)
         if not self.name_or_path:
             raise ConfigError("target.name_or_path must not be empty")
         if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
@@ -338,8 +367,9 @@ class TrainConfig:
     """The learning rate at ``max_steps``, as a fraction of ``lr``."""
     max_grad_norm: float = 0.5
     """Gradients are clipped to this global norm."""
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """Autocast dtype of the draft's forward (weights and optimizer stay float32)."""
+    dtype: Literal["float32", "bfloat16", "auto"] = "bfloat16"
+    """Autocast dtype of the draft's forward (weights and optimizer stay float32). ``auto``:
+    as ``target.dtype``'s ``auto``, on the target's device (resolved with the whole config)."""
     seed: int = 0
     """Seed of the draft's initialisation and of the data order."""
     eval_fraction: float = 0.05
@@ -480,20 +510,32 @@ class QuickstartConfig:
 
     minutes: float | None = None
     """Budget of the whole quickstart (prepare, train, export, bench). Prepare runs to the
-    end; training then gets what is left after the bench's estimated share
-    (``bench_share`` x prepare's time) and stops at ``train.max_steps`` or there, whichever
-    comes first (``train.max_minutes``). A rerun counts the first run's prepare time
-    (``<output_dir>/quickstart.json``) and training's so far. ``null``: ``train.max_steps``
-    alone."""
-    bench_share: float = 0.6
-    """The export and bench's time as a fraction of prepare's (both decode with the target;
-    measured 0.50 and 0.52 on two CPUs)."""
+    end (growing the corpus within ``data_share``); training then gets what is left after the
+    bench's estimated time (its turns x ``bench.max_new_tokens`` at the bench target's measured
+    per-token time) and stops at ``train.max_steps`` or there, whichever comes first
+    (``train.max_minutes``). A rerun counts the first run's prepare time, corpus size and
+    estimate (``<output_dir>/quickstart.json``) and training's so far. ``null``: the recipe as
+    it says (``synthesize.count``, ``train.max_steps``, ``train.max_minutes``)."""
+    data_share: float | None = None
+    """The share of ``minutes`` prepare may spend on data: after ``synthesize.count``, it asks
+    for ``synthesize_step`` more prompts (written and answered by the target) while the last
+    round's pace says the next one ends within the share. It sizes the corpus to the device:
+    a fast CPU buys more distinct conversations, a slow one keeps the recipe's. ``null``:
+    ``synthesize.count`` alone."""
+    synthesize_step: int = 200
+    """Prompts added per round when ``data_share`` grows the corpus."""
 
     def __post_init__(self) -> None:
         if self.minutes is not None and not self.minutes > 0:
             raise ConfigError(f"quickstart.minutes must be > 0 or null, got {self.minutes}")
-        if not self.bench_share >= 0:
-            raise ConfigError(f"quickstart.bench_share must be >= 0, got {self.bench_share}")
+        if self.data_share is not None and not 0 < self.data_share < 1:
+            raise ConfigError(
+                f"quickstart.data_share must be in (0, 1) or null, got {self.data_share}"
+            )
+        if self.synthesize_step < 1:
+            raise ConfigError(
+                f"quickstart.synthesize_step must be >= 1, got {self.synthesize_step}"
+            )
 
 
 @dataclass
@@ -513,6 +555,10 @@ class SpecForgeConfig:
     quickstart: QuickstartConfig = field(default_factory=QuickstartConfig)
     output_dir: str = "outputs/specforge"
     """Directory for everything the recipe writes."""
+
+    def __post_init__(self) -> None:
+        # the draft trains on the target's device: train.dtype's auto asks that device
+        self.train.dtype = resolve_auto_dtype(self.train.dtype, self.target.device)
 
     @property
     def conversations_path(self) -> Path:

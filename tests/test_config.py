@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from specforge.config import ConfigError, SpecForgeConfig, load_config
+from specforge.config import ConfigError, SpecForgeConfig, bfloat16_is_fast, load_config
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
 
@@ -24,6 +24,23 @@ def test_defaults_without_file():
     cfg = load_config()
     assert cfg.target.name_or_path == "smollm2-135m"
     assert cfg.conversations_path == Path("outputs/specforge/conversations.jsonl")
+
+
+def test_bfloat16_is_fast_on_a_cpu_exactly_when_it_has_bf16_dot_products():
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    flags = set(cpuinfo.read_text().split())
+    assert bfloat16_is_fast("cpu") == bool(flags & {"amx_tile", "avx512_bf16"})
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_auto_dtypes_resolve_to_the_faster_one_on_the_target_device(device):
+    cfg = load_config(None, [f"target.device={device}", "target.dtype=auto", "train.dtype=auto"])
+    expected = "bfloat16" if bfloat16_is_fast(device) else "float32"
+    assert (cfg.target.dtype, cfg.train.dtype) == (expected, expected)
+    explicit = load_config(None, ["target.dtype=float16", "train.dtype=float32"])
+    assert (explicit.target.dtype, explicit.train.dtype) == ("float16", "float32")
 
 
 def test_dotted_overrides_win_and_are_typed(tmp_path):

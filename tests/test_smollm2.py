@@ -171,8 +171,9 @@ def test_cli_capture_then_offline_training(tmp_path):
 
 def test_cli_quickstart_leaves_the_export_and_a_bench(tmp_path):
     """`specforge quickstart` end to end on the real target, shrunk by recipe overrides:
-    self-distill 3 built-in prompts (no synthesized ones), 2 training steps, export, bench 2
-    turns."""
+    self-distill 3 built-in prompts and 2 self-written ones, grown 2 at a time while the
+    next round fits in 72 s (data_share 0.02 of the hour), 2 training steps, export, bench 2
+    turns; a rerun keeps the corpus and the budget."""
     questions = tmp_path / "question.jsonl"
     questions.write_text(
         json.dumps({"question_id": 1, "category": "math", "turns": ["What is 2 + 3?", "And 4?"]})
@@ -191,7 +192,9 @@ def test_cli_quickstart_leaves_the_export_and_a_bench(tmp_path):
         "--max-new-tokens",
         "12",
         "data.limit=3",
-        "synthesize.count=0",
+        "synthesize.count=2",
+        "quickstart.synthesize_step=2",
+        "quickstart.data_share=0.02",
         "regenerate.max_new_tokens=24",
         "train.max_steps=2",
         "train.eval_fraction=0",
@@ -199,9 +202,15 @@ def test_cli_quickstart_leaves_the_export_and_a_bench(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "accept length tau" in done.stdout and f"questions: {questions}" in done.stdout
-    # the recipe's hour: training got what prepare and the bench's share left
-    prepare_seconds = json.loads((out / "quickstart.json").read_text())["prepare_seconds"]
-    assert 0 < prepare_seconds < 60 * 60 and "training gets" in done.stderr
+    # the recipe's hour: training got what prepare and the bench's estimate left
+    plan = json.loads((out / "quickstart.json").read_text())
+    assert 0 < plan["prepare_seconds"] < 60 * 60 and "training gets" in done.stderr
+    # the corpus grew by whole rounds (as many as the machine's pace allowed), all answered
+    count = plan["synthesize_count"]
+    assert plan["data_done"] and count >= 2 and count % 2 == 0
+    assert (count > 2) == ("more prompts" in done.stderr)
+    conversations = (out / "conversations.jsonl").read_text().splitlines()
+    assert len(conversations) == 3 + count
     export = out / "export"
     config = json.loads((export / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -209,6 +218,12 @@ def test_cli_quickstart_leaves_the_export_and_a_bench(tmp_path):
     bench = json.loads((out / "bench" / "bench.json").read_text())
     assert bench["turns"] == 2 and bench["all_match"] is True
     assert bench["settings"]["questions"] == str(questions)
+    # the rerun finds its data done: same corpus, same plan, no growth
+    again = subprocess.run(cmd, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((out / "quickstart.json").read_text()) == plan
+    assert (out / "conversations.jsonl").read_text().splitlines() == conversations
+    assert "more prompts" not in again.stderr
 
 
 def test_cli_synthesize_writes_distinct_prompts_and_resumes(tmp_path):

@@ -11,9 +11,13 @@ Every stage resumes: rerunning the same command skips finished work (answered co
 training checkpoints); the export is replaced by the new one.
 
 With ``quickstart.minutes`` (the shipped recipe: 60) the whole run keeps to a wall-clock
-budget on any CPU: prepare runs to the end, and training gets what is left after the export and
-bench's estimated share (:func:`train_minutes`), stopping at ``train.max_steps`` or there. The
-first run's prepare time is kept in ``<output_dir>/quickstart.json`` for reruns.
+budget on any CPU: prepare runs to the end, growing the corpus in rounds of
+``quickstart.synthesize_step`` self-written prompts while they fit in ``quickstart.data_share``
+of the budget (:func:`next_round_fits`: the data engine's scaling evidence says distinct
+conversations, not more passes over few, is what spare time should buy), and training gets what
+is left after the bench's estimated time (:func:`estimate_bench_seconds`,
+:func:`train_minutes`), stopping at ``train.max_steps`` or there. The first run's prepare time,
+corpus size and bench estimate are kept in ``<output_dir>/quickstart.json`` for reruns.
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specforge.config import DEFAULT_RECIPE, QuickstartConfig, SpecForgeConfig, load_config
+from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
+from specforge.data.questions import load_questions
 from specforge.errors import UserError
 from specforge.io import write_json_atomic
+from specforge.models.target import load_target
 from specforge.recipes.bench import bench
 from specforge.recipes.export import export
 from specforge.recipes.prepare import prepare
@@ -62,38 +71,153 @@ def quickstart_config(overrides: list[str] | None = None) -> SpecForgeConfig:
     return load_config(DEFAULT_RECIPE, [*QUICKSTART_OVERRIDES, *(overrides or [])])
 
 
-def train_minutes(qc: QuickstartConfig, prepare_seconds: float) -> float:
-    """Training's share of the quickstart's budget after prepare took ``prepare_seconds``:
-    the budget less prepare and the export and bench's estimate.
+DRAFTING_PASSES = 1.5
+"""The bench's speculative pass over a turn, in passes of the target alone: it ran at 0.7-1.2x
+the target's speed on the CPUs measured (README), so 1.5 leaves a margin."""
+
+TIMED_TOKENS = 32
+"""Greedy tokens timed to estimate the bench's per-token cost (after one untimed warm-up)."""
+
+
+def estimate_bench_seconds(cfg: SpecForgeConfig) -> float:
+    """The export and bench's time, from the bench's own workload: every turn of
+    ``bench.questions`` decodes up to ``bench.max_new_tokens`` tokens with the target alone,
+    with the draft (:data:`DRAFTING_PASSES`) and, when on, with prompt lookup, each token at the
+    per-token time of the target loaded as the bench loads it (``bench.dtype``), timed on the
+    first question's first turn. 0 for ``bench.engine: sglang`` (the server decodes)."""
+    bc = cfg.bench
+    if bc.engine != "builtin":
+        return 0.0
+    questions = load_questions(bc.questions, limit=bc.limit)
+    turns = sum(len(q.turns) for q in questions)
+    target, tokenizer = load_target(cfg.target, dtype=bc.dtype)
+    messages = [{"role": "user", "content": questions[0].turns[0]}]
+    ids = torch.tensor([prompt_ids(tokenizer, messages)], device=cfg.target.device)
+
+    def decode(tokens: int) -> None:
+        target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            pad_token_id=pad_id_of(tokenizer, target.generation_config),
+            eos_token_id=end_of_turn_ids(tokenizer, target.generation_config),
+        )
+
+    decode(4)  # warm-up: allocations and lazy initialisation
+    start = time.perf_counter()
+    decode(TIMED_TOKENS)
+    seconds_per_token = (time.perf_counter() - start) / TIMED_TOKENS
+    passes = 1 + DRAFTING_PASSES + (1 if bc.prompt_lookup_num_tokens else 0)
+    return turns * bc.max_new_tokens * passes * seconds_per_token
+
+
+def train_minutes(qc: QuickstartConfig, prepare_seconds: float, bench_seconds: float) -> float:
+    """Training's share of the quickstart's budget: the budget less prepare's time and the
+    bench's estimate.
 
     Raises:
         UserError: less than :data:`MIN_TRAIN_MINUTES` left.
     """
-    left = qc.minutes - (1 + qc.bench_share) * prepare_seconds / 60
+    left = qc.minutes - (prepare_seconds + bench_seconds) / 60
     if left < MIN_TRAIN_MINUTES:
         raise UserError(
-            f"prepare took {prepare_seconds / 60:.1f} of the quickstart's {qc.minutes:g} minutes "
-            f"(quickstart.minutes), leaving {max(left, 0):.1f} for training after the bench's "
-            f"share; raise quickstart.minutes or lower synthesize.count"
+            f"prepare took {prepare_seconds / 60:.1f} and the bench needs about "
+            f"{bench_seconds / 60:.1f} of the quickstart's {qc.minutes:g} minutes "
+            f"(quickstart.minutes), leaving {max(left, 0):.1f} for training; raise "
+            f"quickstart.minutes, or lower synthesize.count or the bench's questions"
         )
     return left
 
 
+def _read_plan(cfg: SpecForgeConfig) -> dict[str, Any]:
+    """What an earlier run of the same quickstart measured (``<output_dir>/quickstart.json``):
+    ``prepare_seconds``, ``synthesize_count``, ``data_done``, ``bench_seconds``."""
+    path = Path(cfg.output_dir) / "quickstart.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _write_plan(cfg: SpecForgeConfig, plan: dict[str, Any]) -> None:
+    write_json_atomic(Path(cfg.output_dir) / "quickstart.json", plan)
+
+
+def _with_count(cfg: SpecForgeConfig, count: int) -> SpecForgeConfig:
+    return dataclasses.replace(cfg, synthesize=dataclasses.replace(cfg.synthesize, count=count))
+
+
+def next_round_fits(
+    qc: QuickstartConfig, *, spent_seconds: float, round_seconds: float, round_answered: int
+) -> bool:
+    """Whether another ``qc.synthesize_step`` prompts, at the pace of the last prepare round
+    (``round_seconds`` for ``round_answered`` conversations), end within ``qc.data_share`` of
+    the budget. A round that answered nothing (synthesis gave up, or the rerun of finished
+    work) grows nothing."""
+    if not (qc.minutes and qc.data_share) or round_answered < 1:
+        return False
+    next_seconds = round_seconds * qc.synthesize_step / round_answered
+    return spent_seconds + next_seconds <= qc.data_share * qc.minutes * 60
+
+
+def _prepare_within_budget(cfg: SpecForgeConfig) -> tuple[SpecForgeConfig, float]:
+    """Prepare, growing ``synthesize.count`` by ``quickstart.synthesize_step`` while
+    :func:`next_round_fits`; returns the config with the count reached and prepare's seconds.
+
+    Every round is an ordinary (resumable) prepare over the larger count: synthesis keeps the
+    prompts already written and regeneration the answers, so a round pays only for what it
+    adds. The plan records the count and the seconds after every round: a rerun finishes an
+    interrupted growth with the seconds already spent, and a rerun of finished work prepares
+    the recorded count (all of it already done) and keeps the first run's seconds."""
+    plan = _read_plan(cfg)
+    # a plan from before growth (no synthesize_count) had finished its data
+    done = plan.get("data_done", "prepare_seconds" in plan and "synthesize_count" not in plan)
+    count = plan.get("synthesize_count", cfg.synthesize.count)
+    spent = plan.get("prepare_seconds", 0.0)
+    while True:
+        start = time.perf_counter()
+        result = prepare(_with_count(cfg, count))
+        seconds = time.perf_counter() - start
+        if done:
+            return _with_count(cfg, count), spent
+        spent += seconds
+        answered = result.stats.get("regenerate", {}).get("written", 0)
+        grow = next_round_fits(
+            cfg.quickstart, spent_seconds=spent, round_seconds=seconds, round_answered=answered
+        )
+        plan.update(prepare_seconds=round(spent, 1), synthesize_count=count, data_done=not grow)
+        _write_plan(cfg, plan)
+        if not grow:
+            return _with_count(cfg, count), spent
+        logger.info(
+            "quickstart: prepare has spent %.1f of its %.1f minutes (quickstart.data_share); "
+            "%d conversations answered in %.1f minutes: %d more prompts",
+            spent / 60,
+            cfg.quickstart.data_share * cfg.quickstart.minutes,
+            answered,
+            seconds / 60,
+            cfg.quickstart.synthesize_step,
+        )
+        count += cfg.quickstart.synthesize_step
+
+
 def _train_budget(cfg: SpecForgeConfig, prepare_seconds: float) -> SpecForgeConfig:
-    """``cfg`` with ``train.max_minutes`` from the quickstart's budget. Prepare's time is the
-    first run's, kept in ``<output_dir>/quickstart.json``: a rerun (whose prepare finds its
-    work done) aims at the same budget."""
-    plan_path = Path(cfg.output_dir) / "quickstart.json"
-    if plan_path.is_file():
-        prepare_seconds = json.loads(plan_path.read_text())["prepare_seconds"]
-    else:
-        write_json_atomic(plan_path, {"prepare_seconds": round(prepare_seconds, 1)})
-    minutes = train_minutes(cfg.quickstart, prepare_seconds)
+    """``cfg`` with ``train.max_minutes`` from the quickstart's budget. The bench's estimate is
+    the first run's, kept in ``<output_dir>/quickstart.json`` beside prepare's time: a rerun
+    (whose prepare finds its work done) aims at the same budget."""
+    plan = _read_plan(cfg)
+    if "bench_seconds" not in plan:
+        plan.update(
+            prepare_seconds=round(plan.get("prepare_seconds", prepare_seconds), 1),
+            bench_seconds=round(estimate_bench_seconds(cfg), 1),
+        )
+        _write_plan(cfg, plan)
+    minutes = train_minutes(cfg.quickstart, plan["prepare_seconds"], plan["bench_seconds"])
     logger.info(
-        "quickstart.minutes %g, prepare took %.1f: training gets %.1f minutes "
-        "(or train.max_steps=%d steps, if sooner)",
+        "quickstart.minutes %g, prepare took %.1f, the bench needs about %.1f: training gets "
+        "%.1f minutes (or train.max_steps=%d steps, if sooner)",
         cfg.quickstart.minutes,
-        prepare_seconds / 60,
+        plan["prepare_seconds"] / 60,
+        plan["bench_seconds"] / 60,
         minutes,
         cfg.train.max_steps,
     )
@@ -103,12 +227,18 @@ def _train_budget(cfg: SpecForgeConfig, prepare_seconds: float) -> SpecForgeConf
 def quickstart(cfg: SpecForgeConfig) -> QuickstartResult:
     """Run prepare -> train -> export -> bench as ``cfg`` describes (see the module docstring)."""
     result = QuickstartResult(bench={})
-    for name, stage in (("prepare", prepare), ("train", train), ("export", export)):
-        if name == "train" and cfg.quickstart.minutes:
-            cfg = _train_budget(cfg, result.seconds["prepare"])
+    # 1. prepare (growing the corpus within quickstart.data_share)
+    start = time.perf_counter()
+    cfg, prepare_seconds = _prepare_within_budget(cfg)
+    result.seconds["prepare"] = time.perf_counter() - start
+    # 2. train (within what the budget leaves), 3. export
+    if cfg.quickstart.minutes:
+        cfg = _train_budget(cfg, prepare_seconds)
+    for name, stage in (("train", train), ("export", export)):
         start = time.perf_counter()
         stage(cfg)
         result.seconds[name] = time.perf_counter() - start
+    # 4. bench
     start = time.perf_counter()
     result.bench = bench(cfg)
     result.seconds["bench"] = time.perf_counter() - start

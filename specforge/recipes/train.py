@@ -118,6 +118,7 @@ class TrainingRun:
         return getattr(self.objective, "module", self.objective)
 
     def autocast(self):
+        assert self.cfg.train.dtype != "auto", "SpecForgeConfig resolves train.dtype"
         enabled = self.cfg.train.dtype == "bfloat16"
         device_type = torch.device(self.device).type
         return torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=enabled)
