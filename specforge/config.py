@@ -559,6 +559,11 @@ class SpecForgeConfig:
     def __post_init__(self) -> None:
         # the draft trains on the target's device: train.dtype's auto asks that device
         self.train.dtype = resolve_auto_dtype(self.train.dtype, self.target.device)
+        if self.quickstart.data_share and self.regenerate.backend == "server":
+            raise ConfigError(
+                "quickstart.data_share grows the corpus with prompts the target writes "
+                "in-process; regenerate.backend server cannot write them (set data_share null)"
+            )
 
     @property
     def conversations_path(self) -> Path:

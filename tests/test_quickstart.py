@@ -96,5 +96,9 @@ def test_the_quickstart_recipe_has_an_hour_and_bad_budgets_are_refused():
     for bad in bad_settings:
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
             load_config(None, [bad])
+    with pytest.raises(ConfigError, match="regenerate.backend server cannot"):
+        load_config(
+            None, ["quickstart.data_share=0.4", "regenerate.server_url=http://127.0.0.1:9/v1"]
+        )
     with pytest.raises(ConfigError, match="quickstart.bench_share"):
         load_config(None, ["quickstart.bench_share=0.6"])  # replaced by the measured estimate

@@ -126,7 +126,8 @@ def train_minutes(qc: QuickstartConfig, prepare_seconds: float, bench_seconds: f
             f"prepare took {prepare_seconds / 60:.1f} and the bench needs about "
             f"{bench_seconds / 60:.1f} of the quickstart's {qc.minutes:g} minutes "
             f"(quickstart.minutes), leaving {max(left, 0):.1f} for training; raise "
-            f"quickstart.minutes, or lower synthesize.count or the bench's questions"
+            f"quickstart.minutes, or lower synthesize.count, quickstart.data_share or the "
+            f"bench's questions"
         )
     return left
 
