@@ -29,7 +29,7 @@ from specforge.data.questions import load_questions, resolve_question_set
 from specforge.io import write_json_atomic
 from specforge.models.packed_linear import default_linears
 from specforge.models.target import load_target
-from specforge.serving.bench import compiled_generate_kwargs
+from specforge.serving.bench import compiled_generate_kwargs, greedy_generate
 
 
 @torch.no_grad()
@@ -84,16 +84,14 @@ def main() -> None:
             return plain_loop(model, ids, args.max_new_tokens, eos)
         unpacked = default_linears(model) if name == "dynamic-unpacked" else nullcontext()
         with unpacked:
-            out = model.generate(
+            return greedy_generate(
+                model,
                 ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=args.max_new_tokens,
-                eos_token_id=eos,
+                args.max_new_tokens,
+                eos_token_ids=eos,
                 pad_token_id=pad,
                 **method_kwargs(name),
             )
-        return out[0, ids.shape[1] :].tolist()
 
     rows, reference = [], None
     for name in args.methods:

@@ -42,6 +42,7 @@ from specforge.recipes.bench import bench
 from specforge.recipes.export import export
 from specforge.recipes.prepare import prepare
 from specforge.recipes.train import train
+from specforge.serving.bench import greedy_generate
 
 logger = logging.getLogger(__name__)
 
@@ -94,15 +95,12 @@ def estimate_bench_seconds(cfg: SpecForgeConfig) -> float:
     messages = [{"role": "user", "content": questions[0].turns[0]}]
     ids = torch.tensor([prompt_ids(tokenizer, messages)], device=cfg.target.device)
 
+    eos = end_of_turn_ids(tokenizer, target.generation_config)
+    pad = pad_id_of(tokenizer, target.generation_config)
+
     def decode(tokens: int) -> None:
-        target.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=tokens,
-            min_new_tokens=tokens,
-            pad_token_id=pad_id_of(tokenizer, target.generation_config),
-            eos_token_id=end_of_turn_ids(tokenizer, target.generation_config),
+        greedy_generate(
+            target, ids, tokens, eos_token_ids=eos, pad_token_id=pad, min_new_tokens=tokens
         )
 
     decode(4)  # warm-up: allocations and lazy initialisation

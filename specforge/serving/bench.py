@@ -65,6 +65,29 @@ def compiled_generate_kwargs() -> dict:
     return {"cache_implementation": "static", "compile_config": compile_config}
 
 
+def greedy_generate(
+    target,
+    ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    **extra,
+) -> list[int]:
+    """The target alone, greedy, on ``ids`` (1, T) with HF ``generate``: the new token ids (the
+    bench's baseline and reference; ``extra`` goes to ``generate``)."""
+    out = target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_ids,
+        pad_token_id=pad_token_id,
+        **extra,
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
 class MethodComparison:
     """Generates one prompt with the three methods, greedy, batch size 1, timing each."""
 
@@ -88,16 +111,9 @@ class MethodComparison:
         self.pad = pad_token_id
 
     def target_generate(self, ids: torch.Tensor, max_new_tokens: int, **extra) -> list[int]:
-        out = self.target.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=self.eos,
-            pad_token_id=self.pad,
-            **extra,
+        return greedy_generate(
+            self.target, ids, max_new_tokens, eos_token_ids=self.eos, pad_token_id=self.pad, **extra
         )
-        return out[0, ids.shape[1] :].tolist()
 
     def warm_up(self, ids: torch.Tensor) -> None:
         """Every path once (allocations, lazy init, compilation) before anything is timed."""
