@@ -5,13 +5,14 @@
 Steps: converting the GGUF to an HF folder (in a fresh cache, first load), loading the cached
 folder (every later load), self-distillation of the same prompts in the same run along these
 paths: ``today`` (fixed batches, ``regenerate.backend: static``, ``--baseline-batch-size``, in
-``--dtype``), ``continuous`` (continuous batching, ``--batch-size``, same dtype), ``new``
-(continuous batching in ``--new-dtype``, what the CPU recipe runs; the same run as
-``continuous`` when the dtypes agree) and, with ``--compare-row-spans``, ``one span``
-(``new`` with decode attention over the whole batch, as before ``regenerate.rows_per_span``),
-with generated tokens/s, their ratios to today's, how many answers are token-identical to
-today's, and how often decode -> re-encode differs from the generated ids; tokenization with
-loss masks (conversations/s), and the vocabulary map. Run it alone: a second CPU-heavy process
+``--dtype``, with HF's own ``sdpa`` attention), ``static, ours`` (the same batches on the
+attention ``load_target`` installs), ``continuous`` (continuous batching, ``--batch-size``,
+same dtype), ``new`` (continuous batching in ``--new-dtype``; the same run as ``continuous``
+when the dtypes agree) and, with ``--compare-row-spans``, ``one span`` (``new`` with decode
+attention over the whole batch, as before ``regenerate.rows_per_span``), with generated
+tokens/s, their ratios to today's, how many answers are token-identical to today's, and how
+often decode -> re-encode differs from the generated ids; tokenization with loss masks
+(conversations/s), and the vocabulary map. Run it alone: a second CPU-heavy process
 slows PyTorch many times over.
 """
 
@@ -35,20 +36,28 @@ from specforge.data.vocab import build_vocab_map, count_token_frequencies
 from specforge.io import read_jsonl, write_json_atomic
 from specforge.models.target import embedded_target_dir, load_target
 
-TODAY, SAME_DTYPE, NEW, ONE_SPAN = "today", "continuous", "new", "one span"
+TODAY, STATIC_OURS, SAME_DTYPE, NEW, ONE_SPAN = (
+    "today",
+    "static, ours",
+    "continuous",
+    "new",
+    "one span",
+)
 
 
-def paths(args) -> dict[str, tuple[str, int, str, int]]:
-    """The regeneration paths compared: name -> (backend, batch size, dtype, rows per span)."""
+def paths(args) -> dict[str, tuple[str, int, str, int, str | None]]:
+    """The regeneration paths compared: name -> (backend, batch size, dtype, rows per span,
+    ``target.attn_implementation``: None is the loader's default)."""
     spans = RegenerateConfig.rows_per_span
     runs = {
-        TODAY: ("static", args.baseline_batch_size, args.dtype, spans),
-        SAME_DTYPE: ("continuous", args.batch_size, args.dtype, spans),
+        TODAY: ("static", args.baseline_batch_size, args.dtype, spans, "sdpa"),
+        STATIC_OURS: ("static", args.baseline_batch_size, args.dtype, spans, None),
+        SAME_DTYPE: ("continuous", args.batch_size, args.dtype, spans, None),
     }
     if args.new_dtype != args.dtype:
-        runs[NEW] = ("continuous", args.batch_size, args.new_dtype, spans)
+        runs[NEW] = ("continuous", args.batch_size, args.new_dtype, spans, None)
     if args.compare_row_spans:
-        runs[ONE_SPAN] = ("continuous", args.batch_size, args.new_dtype, args.batch_size)
+        runs[ONE_SPAN] = ("continuous", args.batch_size, args.new_dtype, args.batch_size, None)
     return runs
 
 
@@ -61,9 +70,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument(
         "--new-dtype",
-        default="float32",
+        default="bfloat16",
         choices=["bfloat16", "float32"],
-        help="the new path's dtype (the CPU recipe's: float32 matmuls run ~2x bf16's here)",
+        help="the new path's dtype (the CPU recipe's is dtype auto: bf16 on CPUs with bf16 "
+        "instructions, else float32)",
     )
     parser.add_argument(
         "--compare-row-spans",
@@ -86,12 +96,14 @@ def main() -> None:
         rows.append(("load cached target", time.perf_counter() - start, args.dtype))
 
         conversations = builtin_conversations("train")[: args.limit]
-        models = {args.dtype: model}
+        models = {(args.dtype, None): model}
         reports, answers = {}, {}
         runs = paths(args)
-        for path, (backend, batch_size, dtype, rows_per_span) in runs.items():
-            if dtype not in models:
-                models[dtype], _ = load_target(TargetConfig(str(folder), dtype=dtype))
+        for path, (backend, batch_size, dtype, rows_per_span, attention) in runs.items():
+            if (dtype, attention) not in models:
+                models[dtype, attention], _ = load_target(
+                    TargetConfig(str(folder), dtype=dtype, attn_implementation=attention)
+                )
             cfg = RegenerateConfig(
                 enabled=True,
                 backend=backend,
@@ -102,7 +114,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as work:
                 output = Path(work) / "distilled.jsonl"
                 report = regenerate_conversations(
-                    models[dtype], tokenizer, conversations, output, cfg
+                    models[dtype, attention], tokenizer, conversations, output, cfg
                 )
                 records = read_jsonl(output)
             reports[path], answers[path] = report, records
