@@ -22,7 +22,8 @@ def forward_steps(model, prompt, steps):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_sdpa_matches_sdpa_for_prefill_decode_verification_and_trees(dtype):
     """bf16 too: a decode step with a mask packs the query heads as HF's sdpa does (its CPU
-    flash kernel is ~6x slower in bf16 for one query position than for a group's three)."""
+    flash kernel is ~6x slower in bf16 for one query position than for a group's three); bf16
+    packs without a mask as well, where HF does not."""
     model = make_tiny_llama(96, num_layers=2, seed=5).to(dtype)
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
     assert model.config._attn_implementation == "sdpa"
@@ -41,8 +42,13 @@ def test_grouped_sdpa_matches_sdpa_for_prefill_decode_verification_and_trees(dty
     reference = forward_steps(model, prompt, steps)
     assert use_grouped_sdpa(model) and model.config._attn_implementation == GROUPED_SDPA
     grouped = forward_steps(model, prompt, steps)
-    for want, got in zip(reference, grouped, strict=True):
-        assert torch.equal(want, got)
+    for index, (want, got) in enumerate(zip(reference, grouped, strict=True)):
+        if dtype == torch.bfloat16 and index == 1:
+            # the unmasked decode step: HF runs enable_gqa, bf16 here packs (the same sums;
+            # equal on the CPU this was written on, close by construction anywhere)
+            torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2)
+        else:
+            assert torch.equal(want, got)
 
 
 def test_only_sdpa_models_are_switched():
