@@ -24,6 +24,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -45,19 +46,29 @@ TODAY, STATIC_OURS, SAME_DTYPE, NEW, ONE_SPAN = (
 )
 
 
-def paths(args) -> dict[str, tuple[str, int, str, int, str | None]]:
-    """The regeneration paths compared: name -> (backend, batch size, dtype, rows per span,
-    ``target.attn_implementation``: None is the loader's default)."""
+class RegenerationPath(NamedTuple):
+    backend: str
+    batch_size: int
+    dtype: str
+    rows_per_span: int
+    attention: str | None = None
+    """``target.attn_implementation`` (None: what ``load_target`` installs)."""
+
+
+def paths(args) -> dict[str, RegenerationPath]:
+    """The regeneration paths compared, by name."""
     spans = RegenerateConfig.rows_per_span
     runs = {
-        TODAY: ("static", args.baseline_batch_size, args.dtype, spans, "sdpa"),
-        STATIC_OURS: ("static", args.baseline_batch_size, args.dtype, spans, None),
-        SAME_DTYPE: ("continuous", args.batch_size, args.dtype, spans, None),
+        TODAY: RegenerationPath("static", args.baseline_batch_size, args.dtype, spans, "sdpa"),
+        STATIC_OURS: RegenerationPath("static", args.baseline_batch_size, args.dtype, spans),
+        SAME_DTYPE: RegenerationPath("continuous", args.batch_size, args.dtype, spans),
     }
     if args.new_dtype != args.dtype:
-        runs[NEW] = ("continuous", args.batch_size, args.new_dtype, spans, None)
+        runs[NEW] = RegenerationPath("continuous", args.batch_size, args.new_dtype, spans)
     if args.compare_row_spans:
-        runs[ONE_SPAN] = ("continuous", args.batch_size, args.new_dtype, args.batch_size, None)
+        runs[ONE_SPAN] = RegenerationPath(
+            "continuous", args.batch_size, args.new_dtype, args.batch_size
+        )
     return runs
 
 

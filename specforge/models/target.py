@@ -150,10 +150,11 @@ GROUPED_SDPA = "specforge_grouped_sdpa"
 def grouped_sdpa_attention(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
 ):
-    """HF's ``sdpa`` attention, except that grouped-query attention always runs through
-    ``scaled_dot_product_attention(enable_gqa=True)``: HF repeats the key/value heads (a copy of
-    the whole KV cache per layer and call) whenever a mask is passed, which a verification
-    forward over several new tokens always does. Bit-identical outputs (tested); anything this
+    """HF's ``sdpa`` attention, except that grouped-query attention over several query
+    positions always runs through ``scaled_dot_product_attention(enable_gqa=True)``: HF repeats
+    the key/value heads (a copy of the whole KV cache per layer and call) whenever a mask is
+    passed, which a verification forward over several new tokens always does. Bit-identical
+    outputs (tested); anything this
     simple path does not cover (soft-capping, position bias, attention sinks, paged caches) goes
     to HF's own function. Row spans (:func:`~specforge.data.kv_cache.attention_row_spans`) split
     the batch. A decode step (one query position) with a mask packs each key head's group of
@@ -177,6 +178,14 @@ def grouped_sdpa_attention(
     spans = current_row_spans()
     if spans is None or is_causal:
         spans = [(0, query.shape[0], key.shape[2])]
+    heads, kv_heads = query.shape[1], key.shape[1]
+    # a mask shared by the heads (HF's case), or none in bf16
+    shared = (
+        attention_mask.shape[1] == 1
+        if attention_mask is not None
+        else query.dtype == torch.bfloat16
+    )
+    packed = q_length == 1 and heads > kv_heads and shared
     parts = []
     for start, end, columns in spans:
         mask = attention_mask
@@ -184,12 +193,9 @@ def grouped_sdpa_attention(
             # (B or 1, heads or 1, q, S): this span's rows (unless broadcast) and columns
             mask = mask[start:end] if mask.shape[0] > 1 else mask
             mask = mask[..., -columns:]
-        rows, heads = query[start:end], query.shape[1]
-        groups = heads // key.shape[1]
-        shared = mask.shape[1] == 1 if mask is not None else query.dtype == torch.bfloat16
-        packed = q_length == 1 and groups > 1 and shared
+        rows = query[start:end]
         if packed:  # as HF's sdpa: (B, H, 1, D) -> (B, H_kv, G, D), a group's heads as queries
-            rows = rows.reshape(len(rows), heads // groups, groups, rows.shape[-1])
+            rows = rows.reshape(len(rows), kv_heads, heads // kv_heads, rows.shape[-1])
         out = torch.nn.functional.scaled_dot_product_attention(
             rows,
             key[start:end, :, -columns:],
@@ -198,7 +204,7 @@ def grouped_sdpa_attention(
             dropout_p=dropout,
             scale=scaling,
             is_causal=is_causal,
-            enable_gqa=not packed and groups > 1,
+            enable_gqa=not packed and heads > kv_heads,
         )
         parts.append(out.reshape(len(out), heads, 1, out.shape[-1]) if packed else out)
     out = parts[0] if len(parts) == 1 else torch.cat(parts)

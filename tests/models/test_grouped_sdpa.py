@@ -1,4 +1,5 @@
-"""The bench's grouped-query attention gives the same logits as HF's ``sdpa``, bit for bit."""
+"""The bench's grouped-query attention gives the same logits as HF's ``sdpa``, bit for bit
+(bf16's unmasked decode step, which HF does not pack, up to rounding)."""
 
 import pytest
 import torch
