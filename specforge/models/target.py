@@ -150,19 +150,20 @@ GROUPED_SDPA = "specforge_grouped_sdpa"
 def grouped_sdpa_attention(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
 ):
-    """HF's ``sdpa`` attention, except that grouped-query attention over several query
-    positions always runs through ``scaled_dot_product_attention(enable_gqa=True)``: HF repeats
-    the key/value heads (a copy of the whole KV cache per layer and call) whenever a mask is
-    passed, which a verification forward over several new tokens always does. Bit-identical
-    outputs (tested); anything this
-    simple path does not cover (soft-capping, position bias, attention sinks, paged caches) goes
-    to HF's own function. Row spans (:func:`~specforge.data.kv_cache.attention_row_spans`) split
-    the batch. A decode step (one query position) with a mask packs each key head's group of
-    query heads as its query positions, as HF's ``sdpa`` does (bit-identical): PyTorch's CPU flash
-    kernel runs one query position in bf16 ~6x slower than three (1.65 ms against 0.26 ms for
-    16 rows over 300 keys), which made it 85% of a bf16 decode step of continuous batching.
-    Without a mask HF passes ``enable_gqa`` instead; so does this function in float32 (the
-    runtime's bit-identical checks), but bf16 packs there too."""
+    """HF's ``sdpa`` attention, except that grouped-query attention over several query positions
+    always runs through ``scaled_dot_product_attention(enable_gqa=True)``: HF repeats the
+    key/value heads (a copy of the whole KV cache per layer and call) whenever a mask is passed,
+    which a verification forward over several new tokens always does. Bit-identical outputs
+    (tested); anything this simple path does not cover (soft-capping, position bias, attention
+    sinks, paged caches) goes to HF's own function. Row spans
+    (:func:`~specforge.data.kv_cache.attention_row_spans`) split the batch. A decode step (one
+    query position) with a mask packs each key head's group of query heads as its query
+    positions, as HF's ``sdpa`` does (bit-identical): PyTorch's CPU flash kernel runs one query
+    position in bf16 ~6x slower than three (1.65 ms against 0.26 ms for 16 rows over 300 keys),
+    which made it 85% of a bf16 decode step of continuous batching. Without a mask HF passes
+    ``enable_gqa`` instead; so does this function in float32 (the runtime's bit-identical
+    checks), but bf16 packs there too (the same sums, so equal up to rounding: tested within
+    it)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     special = ("softcap", "position_bias", "s_aux", "sinks", "cache")
