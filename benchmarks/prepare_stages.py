@@ -11,8 +11,10 @@ same dtype), ``new`` (continuous batching in ``--new-dtype``; the same run as ``
 when the dtypes agree) and, with ``--compare-row-spans``, ``one span`` (``new`` with decode
 attention over the whole batch, as before ``regenerate.rows_per_span``), with generated
 tokens/s, their ratios to today's, how many answers are token-identical to today's, and how
-often decode -> re-encode differs from the generated ids; tokenization with loss masks
-(conversations/s), and the vocabulary map. Run it alone: a second CPU-heavy process
+often decode -> re-encode differs from the generated ids; with ``--synthesize N``, the target
+writing N prompts with the top-p nucleus found among its top candidates and, as before, by
+sorting the whole vocabulary (same seeds); tokenization with loss masks (conversations/s), and
+the vocabulary map. Run it alone: a second CPU-heavy process
 slows PyTorch many times over.
 """
 
@@ -28,11 +30,13 @@ from typing import NamedTuple
 
 import torch
 
-from specforge.config import RegenerateConfig, TargetConfig
+from specforge.config import RegenerateConfig, SynthesizeConfig, TargetConfig
+from specforge.data import generation
 from specforge.data.chat import end_of_turn_ids, tokenize_conversations
 from specforge.data.conversations import Conversation
 from specforge.data.prompts import builtin_conversations
 from specforge.data.regenerate import regenerate_conversations
+from specforge.data.synthesize import synthesize_conversations
 from specforge.data.vocab import build_vocab_map, count_token_frequencies
 from specforge.io import read_jsonl, write_json_atomic
 from specforge.models.target import embedded_target_dir, load_target
@@ -72,6 +76,32 @@ def paths(args) -> dict[str, RegenerationPath]:
     return runs
 
 
+def time_synthesis(model, tokenizer, count: int) -> dict:
+    """The target writes ``count`` prompts (``synthesize`` defaults: temperature 1, top-p 0.95)
+    twice from the same seeds: with the nucleus found among ``NUCLEUS_CANDIDATES`` top tokens,
+    and with every row's whole vocabulary ranked (the earlier full sort)."""
+    reports, prompts = {}, {}
+    top_candidates = generation.NUCLEUS_CANDIDATES
+    for name, candidates in (("sorted", model.config.vocab_size), ("top", top_candidates)):
+        generation.NUCLEUS_CANDIDATES = candidates
+        try:
+            with tempfile.TemporaryDirectory() as work:
+                conversations, report = synthesize_conversations(
+                    model, tokenizer, Path(work) / "x.jsonl", SynthesizeConfig(count=count)
+                )
+        finally:
+            generation.NUCLEUS_CANDIDATES = top_candidates
+        reports[name] = report.as_dict()
+        prompts[name] = [c.messages[0]["content"] for c in conversations]
+    rate = {n: r["generated_tokens"] / r["seconds"] for n, r in reports.items()}
+    return {
+        "reports": reports,
+        "speedup": round(rate["top"] / rate["sorted"], 2),
+        "identical": sum(a == b for a, b in zip(prompts["sorted"], prompts["top"], strict=True)),
+        "top_candidates": top_candidates,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=16, help="built-in prompts to self-distill")
@@ -91,6 +121,14 @@ def main() -> None:
         action="store_true",
         help="also run the new path with decode attention over the whole batch (one span)",
     )
+    parser.add_argument(
+        "--synthesize",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time the target writing N prompts (top-p sampling) with the nucleus found "
+        "among the top candidates and, the earlier way, by sorting the whole vocabulary",
+    )
     parser.add_argument("--output", default="outputs/bench/prepare_stages.json")
     args = parser.parse_args()
     rows: list[tuple[str, float | None, str]] = []  # None: a ratio row
@@ -105,6 +143,26 @@ def main() -> None:
         start = time.perf_counter()
         model, tokenizer = load_target(TargetConfig(str(folder), dtype=args.dtype))
         rows.append(("load cached target", time.perf_counter() - start, args.dtype))
+
+        synthesis = time_synthesis(model, tokenizer, args.synthesize) if args.synthesize else {}
+        for name, report in synthesis.get("reports", {}).items():
+            rows.append(
+                (
+                    f"synthesize {args.synthesize} prompts, {name}",
+                    report["seconds"],
+                    f"{report['generated_tokens'] / report['seconds']:.0f} generated tok/s, "
+                    f"{report['attempts']} attempts",
+                )
+            )
+        if synthesis:
+            rows.append(
+                (
+                    "synthesis: top candidates / sorted",
+                    None,
+                    f"{synthesis['speedup']:.2f}x tokens/s; {synthesis['identical']}/"
+                    f"{args.synthesize} prompts identical",
+                )
+            )
 
         conversations = builtin_conversations("train")[: args.limit]
         models = {(args.dtype, None): model}
@@ -179,6 +237,7 @@ def main() -> None:
         "regenerate": {path: r.as_dict() for path, r in reports.items()},
         "regenerate_speedup": {p: round(rate[p] / rate[TODAY], 2) for p in compared},
         "regenerate_identical_conversations": identical,
+        "synthesize": synthesis,
         "tokens": stats.as_dict(),
         "cached_target_mb": round(size_mb, 1),
         "steps": [

@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specforge.data.generation import warp_probs
+from specforge.data.generation import NUCLEUS_CANDIDATES, warp_probs
 from specforge.data.vocab import build_vocab_map
 from specforge.models.eagle3 import Eagle3Config, build_draft_model
 from specforge.serving.sampling import accept_chain_sampling, accept_tree_sampling
@@ -120,6 +120,30 @@ def test_sampling_needs_a_positive_temperature():
 def test_top_p_keeps_the_smallest_nucleus():
     probs = warp_probs(torch.tensor([[2.0, 1.0, 0.0, -1.0]]).log_softmax(-1) * 1.0, 1.0, 0.7)
     assert (probs[0, 2:] == 0).all() and torch.isclose(probs.sum(), torch.tensor(1.0))
+
+
+def sorted_nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus by sorting the whole vocabulary: the reference."""
+    probs = logits.float().softmax(-1)
+    values, order = probs.sort(-1, descending=True)
+    values = values.masked_fill(values.cumsum(-1) - values >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter(-1, order, values)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.999])
+def test_top_p_ranks_the_top_candidates_first_and_sorts_only_wide_rows(top_p):
+    generator = torch.Generator().manual_seed(0)
+    vocab = 4 * NUCLEUS_CANDIDATES
+    # peaked rows (nucleus within the top candidates), flat rows (nucleus past them) and 1-D input
+    scales = torch.tensor([8.0, 4.0, 0.5, 0.1, 6.0])[:, None]
+    logits = torch.randn(5, vocab, generator=generator) * scales
+    probs = warp_probs(logits, 1.0, top_p)
+    expected = sorted_nucleus(logits, top_p)
+    assert torch.equal(probs, expected)
+    assert torch.equal(warp_probs(logits[3], 1.0, top_p), expected[3])
+    kept = (probs > 0).sum(-1)
+    assert kept[0] < NUCLEUS_CANDIDATES and (top_p < 0.9 or kept[3] > NUCLEUS_CANDIDATES)
 
 
 # -- deterministic checks of the acceptors (fast; the chi-square tests above are the slow proof)
