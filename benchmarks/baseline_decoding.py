@@ -24,7 +24,7 @@ import torch
 
 from specforge.config import load_config
 from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
-from specforge.data.kv_cache import growing_cache
+from specforge.data.kv_cache import cache_kwargs, growing_cache
 from specforge.data.questions import load_questions, resolve_question_set
 from specforge.io import write_json_atomic
 from specforge.models.packed_linear import default_linears
@@ -37,13 +37,13 @@ def plain_loop(model, ids: torch.Tensor, max_new_tokens: int, eos: list[int]) ->
     """Greedy decoding by hand: the forward the speculative runtime verifies with, one token
     at a time."""
     cache, out = growing_cache(), []
-    logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    logits = model(ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache)).logits
     while True:
         out.append(int(logits[0, -1].argmax()))
         if out[-1] in eos or len(out) >= max_new_tokens:
             return out
         step = torch.tensor([[out[-1]]], device=ids.device)
-        logits = model(step, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(step, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache)).logits
 
 
 def method_kwargs(name: str) -> dict:

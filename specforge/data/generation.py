@@ -32,7 +32,12 @@ import torch
 from transformers.cache_utils import Cache
 
 from specforge.data.chat import left_padded
-from specforge.data.kv_cache import RowSpan, attention_row_spans, growing_cache
+from specforge.data.kv_cache import (
+    RowSpan,
+    attention_row_spans,
+    cache_kwargs,
+    growing_cache,
+)
 
 NUCLEUS_CANDIDATES = 1024
 """Tokens :func:`warp_probs` ranks first; a row needs all its tokens sorted only when these hold
@@ -188,8 +193,8 @@ class ContinuousBatcher:
             input_ids=inputs["input_ids"].to(self.device),
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
+            **cache_kwargs(self.model, cache),
             logits_to_keep=1,
         )
         generators = [self._generator(r) for r in joining]
@@ -227,8 +232,8 @@ class ContinuousBatcher:
                 input_ids=last[:, None],
                 attention_mask=batch.mask,
                 position_ids=batch.positions[:, None],
-                past_key_values=batch.cache,
                 use_cache=True,
+                **cache_kwargs(self.model, batch.cache),
                 logits_to_keep=1,
             )
         self.steps += 1

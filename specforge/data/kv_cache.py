@@ -5,12 +5,35 @@ the speculative runtime (target and draft) extend and crop their caches every st
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+
+def cache_kwargs(module: torch.nn.Module, cache) -> dict:
+    """``{keyword: cache}`` for ``module``'s forward. transformers 5.24 renamed the KV cache
+    argument ``past_key_values`` to ``cache`` (the old name warns on every call and goes in
+    5.40); earlier 5.x releases know only ``past_key_values``. The keyword is read from the
+    forward's signature, once per class."""
+    return {_cache_keyword(type(module)): cache}
+
+
+@functools.cache
+def _cache_keyword(cls: type) -> str:
+    parameters = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def output_cache(outputs):
+    """The KV cache a forward returned (``outputs.cache`` from transformers 5.24 on,
+    ``outputs.past_key_values`` before), or ``None``."""
+    key = next((k for k in ("cache", "past_key_values") if k in outputs), None)
+    return None if key is None else outputs[key]
 
 
 class GrowingKVLayer(DynamicLayer):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specforge.data.kv_cache import output_cache
 from specforge.errors import UserError
 
 LAYER_LIST_NAMES = ("layers", "h", "blocks")
@@ -271,7 +272,7 @@ def recurrent_layers(model: nn.Module) -> str | None:
 
     device = next(model.parameters()).device
     ids = torch.ones(1, 2, dtype=torch.long, device=device)
-    cache = model(input_ids=ids, use_cache=True).past_key_values
+    cache = output_cache(model(input_ids=ids, use_cache=True))
     linear = [i for i, flag in enumerate(getattr(cache, "is_linear", [])) if flag]
     if isinstance(cache, DynamicCache) and not linear:
         return None

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from specforge.config import TargetConfig, torch_dtype
-from specforge.data.kv_cache import current_row_spans
+from specforge.data.kv_cache import cache_kwargs, current_row_spans
 from specforge.distributed import check_device
 from specforge.errors import UserError
 from specforge.io import atomic_directory, require_local
@@ -131,9 +131,9 @@ def target_hidden_states(
         outputs = decoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
             position_ids=position_ids,
             use_cache=past_key_values is not None,
+            **cache_kwargs(decoder, past_key_values),
         )
     finally:
         for handle in handles:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specforge.data.kv_cache import attention_row_spans
+from specforge.data.kv_cache import attention_row_spans, cache_kwargs
 from specforge.models.target import GROUPED_SDPA, use_grouped_sdpa
 from tests.helpers import make_tiny_llama
 
@@ -13,9 +13,9 @@ from tests.helpers import make_tiny_llama
 def forward_steps(model, prompt, steps):
     """Prefill, then extend the cache by each of ``steps`` (ids, optional 4D bool mask)."""
     cache = DynamicCache()
-    outputs = [model(prompt, past_key_values=cache, use_cache=True).logits]
+    outputs = [model(prompt, use_cache=True, **cache_kwargs(model, cache)).logits]
     for ids, mask in steps:
-        out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = model(ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache))
         outputs.append(out.logits)
     return outputs
 
@@ -73,14 +73,14 @@ def test_row_spans_read_only_real_columns_and_change_nothing():
 
     def decode(spans):
         cache = DynamicCache()
-        model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        model(ids, attention_mask=mask, position_ids=positions, **cache_kwargs(model, cache))
         step_mask = torch.cat([mask, torch.ones(len(lengths), 1, dtype=mask.dtype)], 1)
         with attention_row_spans(spans):
             return model(
                 torch.randint(1, 96, (len(lengths), 1), generator=torch.Generator().manual_seed(2)),
                 attention_mask=step_mask,
                 position_ids=mask.sum(-1, keepdim=True),
-                past_key_values=cache,
+                **cache_kwargs(model, cache),
             ).logits
 
     full = decode([(0, len(lengths), width + 1)])

@@ -94,3 +94,25 @@ def test_non_embedded_names_pass_through():
     )
     with pytest.raises(ValueError, match="unknown embedded target"):
         embedded_gguf_path("gpt-5")
+
+
+def test_cache_keyword_follows_the_installed_transformers_without_deprecation_warnings():
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns, then goes
+    in 5.40): every call site passes the keyword the forward itself declares."""
+    import inspect
+    import warnings
+
+    from specforge.data.kv_cache import cache_kwargs, growing_cache, output_cache
+
+    model = make_tiny_llama(64, num_layers=2)
+    (keyword,) = cache_kwargs(model, None)
+    assert keyword in inspect.signature(type(model).forward).parameters
+    cache = growing_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = model(torch.randint(0, 64, (1, 5)), use_cache=True, **cache_kwargs(model, cache))
+        states = target_hidden_states(
+            model, torch.randint(0, 64, (1, 2)), aux_layer_ids=[0, 1, 1], past_key_values=cache
+        )
+    assert output_cache(out) is cache and cache.get_seq_length() == 7
+    assert states.aux_hidden_states.shape[:2] == (1, 2)
