@@ -16,6 +16,7 @@ log, eval, checkpoint), then :meth:`TrainingRun.close`, which releases what setu
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import logging
 import shutil
@@ -124,8 +125,14 @@ class TrainingRun:
         return torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=enabled)
 
     def close(self) -> None:
-        """Close the metric writers and leave the process group this run joined."""
+        """Close the metric writers and leave the process group this run joined. DDP's
+        reducer holds the process group: it goes first, so that the group is torn down inside
+        ``destroy_process_group`` (freed later, when the run was garbage-collected after the
+        other rank had exited, gloo's destructor once waited for its worker threads forever)."""
         self.log.close()
+        if self.objective is not self.unwrapped:
+            self.objective = self.unwrapped
+            gc.collect()  # the DDP module sits in reference cycles (its hooks)
         self.ranks.close()
 
 
