@@ -469,6 +469,10 @@ class BenchConfig:
     """Branches per draft step; 1 drafts a chain, more a tree."""
     num_draft_tokens: int | None = None
     """Tree size including the root (tree drafting only)."""
+    auto_siblings: int = 3
+    """``num_steps: auto``, greedy: at most this many further candidates for the first draft
+    position, verified beside the chain (a small tree) in rounds where the costs say they pay;
+    0 keeps ``auto`` to chains. Ignored where the target's attention cannot verify a tree."""
     max_new_tokens: int = 256
     """Longest answer per turn."""
     dtype: Dtype = "float32"
@@ -502,6 +506,8 @@ class BenchConfig:
             )
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"bench.limit must be >= 1 or null, got {self.limit}")
+        if not 0 <= self.auto_siblings <= 7:
+            raise ConfigError(f"bench.auto_siblings must be in 0..7, got {self.auto_siblings}")
 
 
 @dataclass

@@ -168,14 +168,23 @@ class StubDraft(torch.nn.Module):
     """A draft that knows the target's greedy continuation and proposes it, except at the
     positions ``wrong_at`` chooses (where it proposes a different token). Its proposal gets
     logit 1 against 0 elsewhere; with ``sure`` set, a right proposal gets logit ``sure`` (the
-    draft is confident where it is right and unsure where it is wrong)."""
+    draft is confident where it is right and unsure where it is wrong); with ``runner_up``
+    set, the right token gets that logit where the proposal is wrong (its second choice)."""
 
-    def __init__(self, reference: list[int], wrong_at, vocab_size: int, sure: float = 1.0):
+    def __init__(
+        self,
+        reference: list[int],
+        wrong_at,
+        vocab_size: int,
+        sure: float = 1.0,
+        runner_up: float | None = None,
+    ):
         super().__init__()
         self.reference = reference
         self.wrong_at = wrong_at
         self.vocab_size = vocab_size
         self.sure = sure
+        self.runner_up = runner_up
         self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long))
         self.forwards = 0
         """Forward calls so far (extensions and draft steps)."""
@@ -203,6 +212,8 @@ class StubDraft(torch.nn.Module):
             token = self.reference[t + 2] if t + 2 < len(self.reference) else 0
             logit = self.sure
             if self.wrong_at(t):
+                if self.runner_up is not None:
+                    logits[0, i, token] = self.runner_up
                 token, logit = (token + 1) % self.vocab_size, 1.0
             logits[0, i, token] = logit
         return logits[:, -logits_to_keep:], torch.zeros(1, input_ids.shape[1], 64)

@@ -122,6 +122,8 @@ def test_missing_file_and_non_mapping(tmp_path):
         "synthesize.count=-1",
         "bench.limit=0",
         "bench.num_steps=0",
+        "bench.auto_siblings=-1",
+        "bench.auto_siblings=8",
     ],
 )
 def test_numeric_fields_out_of_range_are_refused_naming_the_key(override):

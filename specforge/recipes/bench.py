@@ -64,6 +64,7 @@ def build_comparison(cfg: SpecForgeConfig) -> tuple[MethodComparison, Any]:
         num_steps=bc.num_steps,
         topk=bc.topk,
         num_draft_tokens=bc.num_draft_tokens,
+        max_siblings=bc.auto_siblings,
     )
     comparison = MethodComparison(
         target,

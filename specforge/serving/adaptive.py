@@ -24,6 +24,13 @@ pick the depth that maximises expected tokens per second on this device.
   comes with the draft's extension, which every round pays); the ``K`` in
   ``0 .. max_depth`` with the largest ``E / T`` (0 is plain decoding: one target forward,
   while the draft still follows the text). Verification is unchanged, so it stays lossless.
+- **Siblings** (greedy rounds, :func:`best_siblings`): the first draft position may also get
+  the draft's next most likely tokens, verified beside the chain as a small tree (a fan at
+  position 1). Only one of them can be the target's token, so each adds its own acceptance to
+  ``E`` (its ``q`` calibrated apart, :class:`ConfidenceCalibration`, learnt every round from
+  the target's first token, which every verification computes), for one more verified token.
+  On a CPU, where verifying 4 tokens costs little more than 2, that buys accepted tokens a
+  deeper chain cannot.
 - **Dormancy** (:class:`Dormancy`): while plain decoding wins, the draft need not follow every
   token. After a plain round that the position estimates chose too (not one where a single
   token the draft was unsure of stopped a draft that pays in general), it sleeps for a span of
@@ -105,6 +112,28 @@ def expected_tokens(acceptance: list[float], depth: int) -> float:
         chain *= rate
         total += chain
     return total
+
+
+def round_rate(chain: list[float], siblings: list[float], costs: CostModel) -> float:
+    """Expected tokens per second of a round verifying a chain with acceptances ``chain`` (its
+    depth ``K = len(chain)``) and ``len(siblings)`` more candidates for the first position with
+    acceptances ``siblings`` (exclusive of the chain's first token and of each other: the
+    target has one token there): ``K + 1 + len(siblings)`` tokens verified."""
+    depth, width = len(chain), len(siblings)
+    tokens = expected_tokens(chain, depth) + sum(siblings)
+    seconds = costs.verify[depth + width] + max(depth - 1, 0) * costs.draft_step + costs.other
+    return tokens / seconds
+
+
+def best_siblings(candidates: list[float], chain: list[float], costs: CostModel) -> int:
+    """How many of the first position's next candidates (acceptances ``candidates``, most
+    likely first) to verify beside the chain ``chain`` (``K >= 1``): the number with the most
+    expected tokens per second, within the widths calibrated (the fewer on a tie)."""
+    room = min(len(candidates), costs.max_depth - len(chain))
+    return max(
+        range(max(room, 0) + 1),
+        key=lambda n: (round_rate(chain, candidates[:n], costs), -n),
+    )
 
 
 def best_depth(acceptance: list[float], costs: CostModel) -> int:

@@ -264,6 +264,8 @@ def bench_report(
         "accepted_length_histogram": {str(k): v for k, v in tally.stats.histogram.items()},
         "depth_histogram": {str(k): v for k, v in tally.stats.depth_histogram.items()},
         "dormant_rounds": tally.stats.dormant_rounds,
+        "sibling_rounds": tally.stats.sibling_rounds,
+        "sibling_hits": len(tally.stats.sibling_hit_rounds),
         "calibration": calibration,
         "sglang_advice": measured_advice(tally.stats, settings),
         "per_category": {c: _tau([r for r in turns if r["category"] == c]) for c in categories},
@@ -327,6 +329,10 @@ def write_report(result: dict[str, Any], out: Path) -> None:
     ]
     if s["num_steps"] == "auto":
         lines.append(f"| (of the 0s, the draft slept through) | {result['dormant_rounds']} |")
+        lines.append(
+            f"| (rounds with siblings of the first token; a sibling accepted) | "
+            f"{result['sibling_rounds']}; {result['sibling_hits']} |"
+        )
     if result.get("sglang_advice"):
         lines += ["", advice_markdown(result["sglang_advice"]).replace("# ", "## ", 1)]
     if result.get("calibration"):

@@ -39,8 +39,10 @@ from specforge.serving.adaptive import (
     CostModel,
     Dormancy,
     best_depth,
+    best_siblings,
     calibrate,
     first_acceptance,
+    round_rate,
 )
 from specforge.serving.sampling import (
     accept_chain_sampling,
@@ -50,12 +52,18 @@ from specforge.serving.sampling import (
 from specforge.serving.tree import (
     accept_greedy,
     build_tree,
+    fan_tree,
     tree_attention,
     verification_inputs,
 )
 
 AUTO_MAX_DEPTH = 7
 """The deepest chain ``num_steps: auto`` drafts (SGLang's adaptive tiers stop at 7 too)."""
+
+AUTO_MAX_SIBLINGS = 3
+"""Greedy ``auto``'s default for the most further candidates of the first draft position
+verified beside the chain (a fan of up to 4 there), within the verification widths
+calibrated."""
 
 
 @dataclass
@@ -86,6 +94,12 @@ class SpecStats:
     decoding with the target alone pays too."""
     dormant_rounds: int = 0
     """Plain rounds the draft slept through (``auto``: no extension, no decision)."""
+    sibling_rounds: int = 0
+    """Rounds that verified siblings of the first draft token (greedy ``auto``)."""
+    sibling_hit_rounds: list[int] = field(default_factory=list)
+    """The rounds (indices into :attr:`accepted_per_round`) in which a sibling, not the
+    chain's first token, was the target's token: their accepted token counts in ``tau`` but
+    not in the chain's :attr:`acceptance_per_position`."""
 
     @property
     def tau(self) -> float:
@@ -98,11 +112,15 @@ class SpecStats:
 
     @property
     def acceptance_per_position(self) -> list[float]:
-        """P(draft token k accepted | tokens < k accepted), k = 1..num_steps."""
+        """P(draft token k accepted | tokens < k accepted), k = 1..num_steps, for the chain
+        (a sibling accepted in its place counts as the chain's first token rejected)."""
         rates = []
         # rounds recorded without a depth ran the fixed num_steps
         depths = self.depth_per_round or [self.num_steps] * len(self.accepted_per_round)
-        rounds = list(zip(self.accepted_per_round, depths, strict=True))
+        chain = list(self.accepted_per_round)
+        for index in self.sibling_hit_rounds:
+            chain[index] = 0  # the chain's own first token was rejected
+        rounds = list(zip(chain, depths, strict=True))
         for k in range(1, self.num_steps + 1):
             reached = sum(a >= k - 1 and depth >= k for a, depth in rounds)
             accepted = sum(a >= k for a, _ in rounds)
@@ -115,6 +133,8 @@ class SpecStats:
         return dict(sorted(Counter(self.depth_per_round).items()))
 
     def merge(self, other: SpecStats) -> None:
+        offset = len(self.accepted_per_round)
+        self.sibling_hit_rounds.extend(offset + index for index in other.sibling_hit_rounds)
         self.verifications += other.verifications
         self.emitted += other.emitted
         self.accepted_per_round.extend(other.accepted_per_round)
@@ -126,6 +146,7 @@ class SpecStats:
         self.prefill_seconds += other.prefill_seconds
         self.target_prefill_seconds += other.target_prefill_seconds
         self.dormant_rounds += other.dormant_rounds
+        self.sibling_rounds += other.sibling_rounds
 
 
 def crop_cache(cache, length: int) -> None:
@@ -175,6 +196,7 @@ class SpeculativeDecoder:
         num_draft_tokens: int | None = None,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        max_siblings: int = AUTO_MAX_SIBLINGS,
     ):
         """
         Args:
@@ -189,6 +211,9 @@ class SpeculativeDecoder:
             num_draft_tokens: tree size including the root (tree drafting only).
             temperature: 0 verifies greedily; > 0 samples (lossless rejection sampling).
             top_p: nucleus filtering of the target distribution when sampling.
+            max_siblings: greedy ``auto``: at most this many further candidates for the first
+                draft position verified beside the chain where the costs say they pay (0:
+                chains only; none on a target whose attention cannot verify a tree).
 
         Raises:
             UserError: inconsistent drafting settings, or a target the runtime cannot serve
@@ -203,6 +228,8 @@ class SpeculativeDecoder:
             raise UserError(f"num_steps must be an integer or 'auto', got {num_steps!r}")
         if num_steps < 1 or topk < 1:
             raise UserError(f"num_steps and topk must be >= 1, got {num_steps}, {topk}")
+        if not 0 <= max_siblings <= AUTO_MAX_DEPTH:
+            raise UserError(f"max_siblings must be in 0..{AUTO_MAX_DEPTH}, got {max_siblings}")
         if temperature < 0 or not 0 < top_p <= 1:
             raise UserError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
         largest = 1 + topk + (num_steps - 1) * topk * topk
@@ -230,6 +257,10 @@ class SpeculativeDecoder:
         """Running conditional acceptance per draft position (``auto`` only)."""
         self.confidence = ConfidenceCalibration() if self.auto else None
         """Acceptance given the draft's own probability of its token (greedy ``auto`` only)."""
+        self.sibling_confidence = ConfidenceCalibration() if self.auto else None
+        """The same for the first position's further candidates (greedy ``auto`` only)."""
+        self.max_siblings = 0 if tree_refusal(target_model) else max_siblings
+        """Siblings ``auto`` may verify: none where the target cannot verify a tree."""
         self.costs: CostModel | None = None
         """This device's round costs (``auto``; measured by :meth:`calibrate`)."""
 
@@ -345,9 +376,13 @@ class SpeculativeDecoder:
         # the draft's confidence; sampling: from the position estimates)
         start = self._clock()
         draft_tokens, draft_probs, probs, candidate = None, None, [], None
+        ranked, siblings = [], 0
         if self.auto and not self.sampling:
             draft_tokens, probs, candidate = self._draft_auto(
                 draft_logits, hidden, length - 1, draft_cache
+            )
+            draft_tokens, probs, candidate, ranked, siblings = self._siblings(
+                draft_logits, draft_tokens, probs, candidate
             )
             depth = len(probs)
         else:
@@ -357,16 +392,23 @@ class SpeculativeDecoder:
                     draft_logits, hidden, length - 1, draft_cache, steps=depth
                 )
         drafted = self._clock()
+        stats.draft_seconds += drafted - start
+        if siblings:
+            fan = torch.tensor([token for token, _ in ranked[:siblings]], device=self.device)
+            tree = fan_tree(draft_tokens[:depth], fan)
+            return self._fan_round(
+                next_token, length, tree, ranked, probs, candidate, target_cache, stats
+            )
         # 2. verify: [last token, d_1 .. d_K] at positions length .. length + K
         verify_ids = torch.tensor([next_token], device=self.device)
         if depth:
             verify_ids = torch.cat([verify_ids, draft_tokens[:depth]])
         target_logits, aux = self._target_forward(verify_ids[None], target_cache)
         verify_seconds = self._clock() - drafted
-        stats.draft_seconds += drafted - start
         stats.verify_seconds += verify_seconds
         if self.auto:
             self.costs.observe_verify(depth + 1, verify_seconds)
+            self._learn_siblings(ranked, target_logits)
         # 3. accept
         if not depth:
             accepted, bonus = 0, self._plain_token(target_logits[-1])
@@ -388,6 +430,39 @@ class SpeculativeDecoder:
         crop_cache(target_cache, length + 1 + accepted)
         emitted = (draft_tokens[:accepted].tolist() if depth else []) + [bonus]
         return emitted, accepted, aux[:, : accepted + 1]
+
+    def _fan_round(self, next_token, length, tree, ranked, probs, candidate, target_cache, stats):
+        """Greedy ``auto``'s round with siblings: verify the chain and the siblings beside its
+        first token as ``tree`` (:func:`fan_tree`), accept the longest matching path, keep its
+        cache rows only. Returns what :meth:`_chain_round` does."""
+        start = self._clock()
+        ids, positions, visible = verification_inputs(tree, next_token, length)
+        with tree_attention(self.target, positions[0], visible, prefix=length):
+            target_logits, aux = self._target_forward(ids, target_cache, positions)
+        verify_seconds = self._clock() - start
+        stats.verify_seconds += verify_seconds
+        self.costs.observe_verify(len(ids[0]), verify_seconds)
+        self._learn_siblings(ranked, target_logits)
+        path, bonus = accept_greedy(tree, target_logits)
+        depth = len(probs)
+        chain_accepted = len(path) if path[:1] == [0] else 0  # node 0 is the chain's first
+        self._learn(depth, chain_accepted, bonus, probs, candidate)
+        stats.depth_per_round.append(depth)
+        stats.sibling_rounds += 1
+        if chain_accepted < len(path):
+            stats.sibling_hit_rounds.append(len(stats.accepted_per_round))
+        rows = [0] + [node + 1 for node in path]
+        gather_cache(target_cache, length, rows)
+        emitted = [int(tree.tokens[node]) for node in path] + [bonus]
+        return emitted, len(path), aux[:, rows]
+
+    def _learn_siblings(self, ranked: list[tuple[int, float]], target_logits: torch.Tensor):
+        """Every further candidate of the first position ``(target id, q)`` learns from the
+        target's token there (row 0 of any verification), verified or not."""
+        if ranked:
+            first = int(target_logits[0].argmax())
+            for token, q in ranked:
+                self.sibling_confidence.observe(q, token == first)
 
     def _draft_auto(self, logits: torch.Tensor, hidden: torch.Tensor, position: int, cache):
         """Greedy ``auto`` drafting, token by token: a token is drafted while the best depth,
@@ -415,6 +490,38 @@ class SpeculativeDecoder:
             step_position = torch.tensor([[position + depth]], device=self.device)
             step_logits, hidden = self.draft_model(token[None], hidden, step_position, cache=cache)
             logits = step_logits[0, -1]
+
+    def _siblings(self, logits: torch.Tensor, tokens, probs: list[float], candidate):
+        """Greedy ``auto``: the first position's next most likely draft tokens and how many of
+        them to verify beside the chain (:func:`best_siblings`); a plain round becomes a
+        depth-1 round when its first token and siblings together pay. Returns the chain's
+        tokens, probabilities and declined candidate (updated when a plain round drafts), the
+        ranked further candidates ``(target id, q)`` and how many of them to verify."""
+        if not self.max_siblings:
+            return tokens, probs, candidate, [], 0
+        q, draft_ids = logits.float().softmax(-1).topk(min(2 + self.max_siblings, len(logits)))
+        # (C,) target ids, most likely first; the chain's own first token is not a sibling
+        first = int(tokens[0]) if tokens is not None else None
+        ranked = [
+            (token, value)
+            for token, value in zip(
+                self.draft_model.to_target_ids(draft_ids).tolist(), q.tolist(), strict=True
+            )
+            if token != first
+        ]
+        if first is None:  # a plain round, unless the most likely token and its siblings pay
+            (top, top_q), ranked = ranked[0], ranked[1 : 1 + self.max_siblings]
+            chain = [self.confidence.acceptance(top_q)]
+            rates = [self.sibling_confidence.acceptance(value) for _, value in ranked]
+            count = best_siblings(rates, chain, self.costs)
+            plain = round_rate([], [], self.costs)
+            if not count or round_rate(chain, rates[:count], self.costs) <= plain:
+                return tokens, probs, candidate, ranked, 0
+            return torch.tensor([top], device=self.device), [top_q], None, ranked, count
+        ranked = ranked[: self.max_siblings]
+        chain = [self.confidence.acceptance(value) for value in probs]
+        rates = [self.sibling_confidence.acceptance(value) for _, value in ranked]
+        return tokens, probs, candidate, ranked, best_siblings(rates, chain, self.costs)
 
     def _estimated_depth(self) -> int:
         """The depth the per-position estimates alone choose (``auto``): 0 when drafting does

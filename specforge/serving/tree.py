@@ -124,6 +124,18 @@ def build_tree(
     return prune(tokens, parents, depths, scores, num_draft_tokens - 1, device)
 
 
+def fan_tree(chain: torch.Tensor, siblings: torch.Tensor) -> DraftTree:
+    """A chain ``d_1 .. d_K`` (K >= 1) with ``siblings`` beside ``d_1`` (further candidates
+    for the first position) as a tree, parents first: ``d_1``, the siblings, ``d_2 .. d_K``."""
+    width, depth = 1 + len(siblings), len(chain)
+    chain_parents = [0, *range(width, width + depth - 2)][: depth - 1]
+    return DraftTree(
+        tokens=torch.cat([chain[:1], siblings.to(chain.device), chain[1:]]),
+        parents=torch.tensor([-1] * width + chain_parents, dtype=torch.long),
+        depths=torch.tensor([1] * width + list(range(2, depth + 1)), dtype=torch.long),
+    )
+
+
 def frontier_mask(frontier, parents, entry, prefix: int, cache_length: int, device):
     """(W, cache_length + W) bool: frontier node ``row`` may attend to the prefix, to the cache
     entries of its ancestors and to itself."""

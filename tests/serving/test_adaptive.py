@@ -10,9 +10,11 @@ from specforge.serving.adaptive import (
     CostModel,
     Dormancy,
     best_depth,
+    best_siblings,
     calibrate,
     expected_tokens,
     first_acceptance,
+    round_rate,
 )
 from specforge.serving.sampling import accept_chain_sampling
 from specforge.serving.speculative import AUTO_MAX_DEPTH, SpeculativeDecoder
@@ -174,6 +176,7 @@ def test_auto_rounds_feed_their_verify_times_into_the_costs(target):  # noqa: F8
         num_steps="auto",
     )
     decoder.costs = CostModel(verify=[1.0] * (AUTO_MAX_DEPTH + 1), draft_step=0.0015)  # far off
+    decoder.max_siblings = 0  # chains: each round verifies its depth + 1 (flat costs pay siblings)
     tokens, stats = decoder.generate(prompt, max_new_tokens=40)
     assert tokens == reference[prompt.shape[1] :]
     verified = {depth + 1 for depth in stats.depth_per_round}
@@ -227,3 +230,40 @@ def test_auto_refuses_trees(target):  # noqa: F811
 
     with pytest.raises(UserError, match="chains only"):
         SpeculativeDecoder(target, None, aux_layer_ids=[1, 1, 0], num_steps="auto", topk=2)
+    with pytest.raises(UserError, match="max_siblings must be in 0..7, got 8"):
+        SpeculativeDecoder(target, None, aux_layer_ids=[1, 1, 0], num_steps="auto", max_siblings=8)
+
+
+def test_siblings_are_verified_where_a_wider_verification_costs_little_and_not_where_it_costs():
+    flat = CostModel(verify=[0.036] * 8, draft_step=0.0015)
+    steep = CostModel(verify=[0.036 * n for n in range(1, 9)], draft_step=0.0015)
+    candidates = [0.2, 0.1, 0.05]
+    assert best_siblings(candidates, [0.4], flat) == 3
+    assert best_siblings(candidates, [0.4], steep) == 0
+    assert best_siblings(candidates, [0.4] * 7, flat) == 0  # no wider width calibrated
+    assert best_siblings(candidates, [0.4] * 6, flat) == 1
+    # the first position's candidates are exclusive: each adds its own acceptance
+    assert round_rate([0.4], [0.2, 0.1], flat) == pytest.approx((1 + 0.4 + 0.3) / (0.036 + 0.0))
+    assert round_rate([], [], steep) == pytest.approx(1 / 0.036)
+
+
+@pytest.mark.parametrize("runner_up", [0.9, None])
+def test_auto_siblings_are_lossless_and_catch_the_draft_s_second_choice(target, runner_up):  # noqa: F811
+    # the draft's first choice is always wrong; with runner_up its second choice is the
+    # target's token, which a sibling catches; without, its other tokens are a flat tail (a
+    # verification of any width costs the same here, so siblings are tried, and rarely hit)
+    torch.manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    reference = greedy_reference(target, prompt, 120)
+    draft = StubDraft(reference, lambda t: True, VOCAB, runner_up=runner_up)
+    decoder = SpeculativeDecoder(target, draft, aux_layer_ids=[1, 1, 0], num_steps="auto")
+    decoder.costs = FixedCosts(verify=[0.036] * (AUTO_MAX_DEPTH + 1), draft_step=0.0015)
+    tokens, stats = decoder.generate(prompt, max_new_tokens=120)
+    assert tokens == reference[prompt.shape[1] :]
+    hits = len(stats.sibling_hit_rounds)
+    assert stats.acceptance_per_position[0] == 0  # the chain's own first token: never
+    if runner_up is None:
+        assert hits < 0.1 * stats.verifications and stats.tau < 1.1
+    else:
+        # the sibling's calibration learns from every round's first target token
+        assert hits > 0.9 * stats.verifications and stats.tau > 1.9

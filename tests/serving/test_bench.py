@@ -77,11 +77,13 @@ def test_bench_auto_depth_reports_its_calibration_and_chosen_depths(tmp_path, pe
     rounds = sum(len(t["accepted_per_round"]) for t in result["turn_details"])
     assert sum(result["depth_histogram"].values()) == rounds
     assert 0 <= result["dormant_rounds"] <= result["depth_histogram"].get("0", 0)
+    assert 0 <= result["sibling_hits"] <= result["sibling_rounds"] <= rounds
     calibration = result["calibration"]
     assert len(calibration["verify_ms"]) == 8 and all(ms > 0 for ms in calibration["verify_ms"])
     assert len(calibration["final_acceptance_estimate"]) == 7
     report = (out / "bench.md").read_text()
     assert "calibration (num_steps auto)" in report and "the draft slept through" in report
+    assert "rounds with siblings of the first token" in report
 
 
 def test_question_sources(tmp_path):

@@ -178,3 +178,14 @@ def test_gather_cache_keeps_the_prefix_and_the_accepted_rows_in_order(kind, rows
     cache.update(more, -more, 0)
     assert torch.equal(cache.layers[0].keys, torch.cat([expected, more], 2))
     assert cache.get_seq_length() == 6 + len(rows)
+
+
+def test_fan_tree_puts_the_siblings_beside_the_first_chain_token():
+    from specforge.serving.tree import fan_tree
+
+    tree = fan_tree(torch.tensor([10, 11, 12]), torch.tensor([20, 21]))
+    assert tree.tokens.tolist() == [10, 20, 21, 11, 12]
+    assert tree.parents.tolist() == [-1, -1, -1, 0, 3]
+    assert tree.depths.tolist() == [1, 1, 1, 2, 3]
+    single = fan_tree(torch.tensor([10]), torch.tensor([20]))
+    assert single.parents.tolist() == [-1, -1] and single.depths.tolist() == [1, 1]
