@@ -79,11 +79,14 @@ class CostModel:
     def max_depth(self) -> int:
         return len(self.verify) - 1
 
-    def round_seconds(self, depth: int) -> float:
-        """``T(K)``: a round of depth ``K``. Its first draft token comes with the draft's
-        extension over the last round's tokens (in ``other``, paid at every depth, 0
-        included), so drafting ``K`` tokens takes ``K - 1`` draft steps."""
-        return self.verify[depth] + max(depth - 1, 0) * self.draft_step + self.other
+    def round_seconds(self, depth: int, siblings: int = 0) -> float:
+        """``T(K)``: a round of depth ``K`` (with ``siblings`` more first-position candidates
+        verified beside its chain). Its first draft token comes with the draft's extension
+        over the last round's tokens (in ``other``, paid at every depth, 0 included), so
+        drafting ``K`` tokens takes ``K - 1`` draft steps; siblings cost only their
+        verification (their logits came with the extension)."""
+        width = depth + siblings  # verify[n - 1] is n tokens: the last token, then these
+        return self.verify[width] + max(depth - 1, 0) * self.draft_step + self.other
 
     def observe_verify(self, width: int, seconds: float) -> None:
         """A verification of ``width`` tokens measured during generation: the start-up
@@ -119,10 +122,10 @@ def round_rate(chain: list[float], siblings: list[float], costs: CostModel) -> f
     depth ``K = len(chain)``) and ``len(siblings)`` more candidates for the first position with
     acceptances ``siblings`` (exclusive of the chain's first token and of each other: the
     target has one token there): ``K + 1 + len(siblings)`` tokens verified."""
-    depth, width = len(chain), len(siblings)
-    tokens = expected_tokens(chain, depth) + sum(siblings)
-    seconds = costs.verify[depth + width] + max(depth - 1, 0) * costs.draft_step + costs.other
-    return tokens / seconds
+    depth = len(chain)
+    return (expected_tokens(chain, depth) + sum(siblings)) / costs.round_seconds(
+        depth, len(siblings)
+    )
 
 
 def best_siblings(candidates: list[float], chain: list[float], costs: CostModel) -> int:

@@ -238,7 +238,8 @@ class SpeculativeDecoder:
                 f"tree drafting needs 2 <= num_draft_tokens <= {largest} for topk={topk}, "
                 f"num_steps={num_steps}; got {num_draft_tokens}"
             )
-        refusal = serving_refusal(target_model) or (topk > 1 and tree_refusal(target_model))
+        no_tree = tree_refusal(target_model)
+        refusal = serving_refusal(target_model) or (topk > 1 and no_tree)
         if refusal:
             raise UserError(refusal)
         self.target = target_model
@@ -259,7 +260,7 @@ class SpeculativeDecoder:
         """Acceptance given the draft's own probability of its token (greedy ``auto`` only)."""
         self.sibling_confidence = ConfidenceCalibration() if self.auto else None
         """The same for the first position's further candidates (greedy ``auto`` only)."""
-        self.max_siblings = 0 if tree_refusal(target_model) else max_siblings
+        self.max_siblings = 0 if no_tree else max_siblings
         """Siblings ``auto`` may verify: none where the target cannot verify a tree."""
         self.costs: CostModel | None = None
         """This device's round costs (``auto``; measured by :meth:`calibrate`)."""
