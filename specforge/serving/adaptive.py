@@ -71,6 +71,14 @@ class CostModel:
 
     adapt: ClassVar[float] = 0.1
     """The weight of each new measurement in the running averages."""
+    stall: ClassVar[float] = 2.0
+    """A verification counts as at most this many times its width's estimate: a pause of the
+    machine (another process, a page fault) is not what that width costs."""
+    follow: ClassVar[float] = 0.02
+    """The share by which each verification pulls every other width's estimate toward its
+    start-up figure times the verified width's current ratio to its own. Widths not verified
+    for a while then follow the machine's speed in the calibration's shape, instead of keeping
+    a figure from a slow moment that the picker, seeing it expensive, would never revisit."""
 
     def __post_init__(self) -> None:
         self.calibrated = list(self.verify)
@@ -92,8 +100,15 @@ class CostModel:
         """A verification of ``width`` tokens measured during generation: the start-up
         figure becomes a running average of what rounds of that width really cost (the
         context grows; a calibration timed in a noisy moment is corrected by the depths it
-        makes the picker choose)."""
-        self.verify[width - 1] += self.adapt * (seconds - self.verify[width - 1])
+        makes the picker choose), a stall counting as :attr:`stall` times the estimate; the
+        other widths :attr:`follow` the machine's speed seen there."""
+        index = width - 1
+        seconds = min(seconds, self.stall * self.verify[index])
+        self.verify[index] += self.adapt * (seconds - self.verify[index])
+        speed = self.verify[index] / self.calibrated[index]
+        for other, calibrated in enumerate(self.calibrated):
+            if other != index:
+                self.verify[other] += self.follow * (calibrated * speed - self.verify[other])
 
     def observe_other(self, seconds: float) -> None:
         """A round's time outside drafting and verification, into the running average."""
