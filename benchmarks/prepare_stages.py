@@ -5,8 +5,9 @@
 Steps: converting the GGUF to an HF folder (in a fresh cache, first load), loading the cached
 folder (every later load), self-distillation of the same prompts in the same run along these
 paths: ``today`` (fixed batches, ``regenerate.backend: static``, ``--baseline-batch-size``, in
-``--dtype``, with HF's own ``sdpa`` attention), ``static, ours`` (the same batches on the
-attention ``load_target`` installs), ``continuous`` (continuous batching, ``--batch-size``,
+``--dtype``, with HF's own ``sdpa`` attention and PyTorch's default linear layers, as when the
+issue was filed), ``static, ours`` (the same batches on the attention and the prepacked linear
+layers ``load_target`` installs), ``continuous`` (continuous batching, ``--batch-size``,
 same dtype), ``new`` (continuous batching in ``--new-dtype``; the same run as ``continuous``
 when the dtypes agree) and, with ``--compare-row-spans``, ``one span`` (``new`` with decode
 attention over the whole batch, as before ``regenerate.rows_per_span``), with generated
@@ -58,13 +59,17 @@ class RegenerationPath(NamedTuple):
     rows_per_span: int
     attention: str | None = None
     """``target.attn_implementation`` (None: what ``load_target`` installs)."""
+    prepack: bool = True
+    """``target.prepack_linear``."""
 
 
 def paths(args) -> dict[str, RegenerationPath]:
     """The regeneration paths compared, by name."""
     spans = RegenerateConfig.rows_per_span
     runs = {
-        TODAY: RegenerationPath("static", args.baseline_batch_size, args.dtype, spans, "sdpa"),
+        TODAY: RegenerationPath(
+            "static", args.baseline_batch_size, args.dtype, spans, "sdpa", prepack=False
+        ),
         STATIC_OURS: RegenerationPath("static", args.baseline_batch_size, args.dtype, spans),
         SAME_DTYPE: RegenerationPath("continuous", args.batch_size, args.dtype, spans),
     }
@@ -167,13 +172,19 @@ def main() -> None:
             )
 
         conversations = builtin_conversations("train")[: args.limit]
-        models = {(args.dtype, None): model}
+        models = {(args.dtype, None, True): model}
         reports, answers = {}, {}
         runs = paths(args)
-        for path, (backend, batch_size, dtype, rows_per_span, attention) in runs.items():
-            if (dtype, attention) not in models:
-                models[dtype, attention], _ = load_target(
-                    TargetConfig(str(folder), dtype=dtype, attn_implementation=attention)
+        for path, run in runs.items():
+            backend, batch_size, dtype, rows_per_span, attention, prepack = run
+            if (dtype, attention, prepack) not in models:
+                models[dtype, attention, prepack], _ = load_target(
+                    TargetConfig(
+                        str(folder),
+                        dtype=dtype,
+                        attn_implementation=attention,
+                        prepack_linear=prepack,
+                    )
                 )
             cfg = RegenerateConfig(
                 enabled=True,
@@ -185,7 +196,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as work:
                 output = Path(work) / "distilled.jsonl"
                 report = regenerate_conversations(
-                    models[dtype, attention], tokenizer, conversations, output, cfg
+                    models[dtype, attention, prepack], tokenizer, conversations, output, cfg
                 )
                 records = read_jsonl(output)
             reports[path], answers[path] = report, records
