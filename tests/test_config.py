@@ -39,8 +39,13 @@ def test_auto_dtypes_resolve_to_the_faster_one_on_the_target_device(device):
     cfg = load_config(None, [f"target.device={device}", "target.dtype=auto", "train.dtype=auto"])
     expected = "bfloat16" if bfloat16_is_fast(device) else "float32"
     assert (cfg.target.dtype, cfg.train.dtype) == (expected, expected)
-    explicit = load_config(None, ["target.dtype=float16", "train.dtype=float32"])
+    assert cfg.bench.draft_dtype == expected  # auto by default; bench.dtype stays float32
+    assert cfg.bench.dtype == "float32"
+    explicit = load_config(
+        None, ["target.dtype=float16", "train.dtype=float32", "bench.draft_dtype=float32"]
+    )
     assert (explicit.target.dtype, explicit.train.dtype) == ("float16", "float32")
+    assert explicit.bench.draft_dtype == "float32"
 
 
 def test_dotted_overrides_win_and_are_typed(tmp_path):

@@ -42,22 +42,28 @@ def bench_settings(cfg: SpecForgeConfig, questions: str) -> dict[str, Any]:
     }
 
 
-def build_comparison(cfg: SpecForgeConfig) -> tuple[MethodComparison, Any]:
-    """Load the target (in ``bench.dtype``) and the exported draft; returns the comparison
-    and the tokenizer."""
-    bc = cfg.bench
-    target, tokenizer = load_target(cfg.target, dtype=bc.dtype)
+def load_bench_draft(cfg: SpecForgeConfig, target, dtype: str):
+    """The exported draft ``cfg.bench_draft`` in ``dtype`` on the target's device, sharing
+    ``target``'s input embedding, its linear layers prepacked where the target's are."""
     draft = load_exported_draft(
         cfg.bench_draft,
         target_config=target.config,
         target_embedding=target.get_input_embeddings().weight.detach().float(),
-        dtype=torch_dtype(bc.dtype),
+        dtype=torch_dtype(dtype),
     ).to(cfg.target.device)
     if cfg.target.prepack_linear:
         prepack_linears(draft)  # its steps are one-row calls, like the target's decoding
+    return draft
+
+
+def build_comparison(cfg: SpecForgeConfig) -> tuple[MethodComparison, Any]:
+    """Load the target (in ``bench.dtype``) and the exported draft (in ``bench.draft_dtype``);
+    returns the comparison and the tokenizer."""
+    bc = cfg.bench
+    target, tokenizer = load_target(cfg.target, dtype=bc.dtype)
     decoder = SpeculativeDecoder(
         target,
-        draft,
+        load_bench_draft(cfg, target, bc.draft_dtype),
         aux_layer_ids=exported_aux_layer_ids(
             cfg.bench_draft, text_config(target.config).num_hidden_layers
         ),

@@ -201,7 +201,8 @@ class SpeculativeDecoder:
         """
         Args:
             target_model: the HF target (eval mode).
-            draft_model: the draft (e.g. from :func:`load_exported_draft`).
+            draft_model: the draft (e.g. from :func:`load_exported_draft`), in any dtype: its
+                logits are read in float32, and only its proposals depend on its precision.
             aux_layer_ids: the target layers the draft was trained on.
             num_steps: draft depth (tokens per chain), or ``"auto"``: each round the depth in
                 ``0 .. AUTO_MAX_DEPTH`` with the most expected tokens per second, decided token
@@ -316,7 +317,7 @@ class SpeculativeDecoder:
         logits, hidden = self.draft_model(
             tokens, self.draft_model.fuse(aux), positions, cache=cache, logits_to_keep=1
         )
-        return logits[0, -1], hidden[:, -1:]
+        return logits[0, -1].float(), hidden[:, -1:]  # float32 whatever the draft's dtype
 
     @property
     def sampling(self) -> bool:
@@ -351,7 +352,7 @@ class SpeculativeDecoder:
                 break
             step_position = torch.tensor([[position + 1 + k]], device=self.device)
             step_logits, hidden = self.draft_model(token[None], hidden, step_position, cache=cache)
-            logits = step_logits[0, -1]
+            logits = step_logits[0, -1].float()
         return torch.cat(tokens), (torch.stack(dists) if self.sampling else None)
 
     @staticmethod
@@ -490,7 +491,7 @@ class SpeculativeDecoder:
                 return torch.cat(tokens), probs, None
             step_position = torch.tensor([[position + depth]], device=self.device)
             step_logits, hidden = self.draft_model(token[None], hidden, step_position, cache=cache)
-            logits = step_logits[0, -1]
+            logits = step_logits[0, -1].float()
 
     def _siblings(self, logits: torch.Tensor, tokens, probs: list[float], candidate):
         """Greedy ``auto``: the first position's next most likely draft tokens and how many of

@@ -8,8 +8,10 @@ from torch import nn
 
 from specforge.models.packed_linear import (
     MAX_PACKED_ROWS,
+    MAX_PACKED_ROWS_BF16,
     PackedLinear,
     default_linears,
+    packed_dtypes,
     packed_linear_available,
     prepack_linears,
 )
@@ -41,13 +43,44 @@ def test_agrees_with_the_default_and_a_row_does_not_depend_on_the_others(bias):
     assert module._packed is not None  # the packed path ran
 
 
+needs_native_bf16 = pytest.mark.skipif(
+    torch.bfloat16 not in packed_dtypes(), reason="this CPU has no native bfloat16 for oneDNN"
+)
+
+
+@needs_native_bf16
+def test_bfloat16_agrees_with_the_default_row_by_row():
+    linear, module = packed()
+    linear.to(torch.bfloat16)
+    x = torch.randn(MAX_PACKED_ROWS, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        whole = module(x)
+        for rows in (1, 3, MAX_PACKED_ROWS):
+            got = module(x[:rows])
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got, linear(x[:rows]))  # bfloat16's tolerances
+            assert torch.equal(got, whole[:rows])
+        # a float32 input to a bfloat16 weight is not packed: the default says what it does
+        with pytest.raises(RuntimeError):
+            module(x.float())
+    assert module._packed is not None and module._packed_from is not None
+    # prepack_linears packs bfloat16 calls of many rows too (batched regeneration, prefills)
+    model = nn.Sequential(nn.Linear(96, 160)).to(torch.bfloat16)
+    assert prepack_linears(model, min_weight=0) == 1
+    assert model[0].max_rows == MAX_PACKED_ROWS_BF16
+    many = torch.randn(4 * MAX_PACKED_ROWS, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(many), F.linear(many, model[0].weight, model[0].bias))
+    assert model[0]._packed is not None
+
+
 def test_falls_back_to_the_default_where_packing_does_not_apply():
     linear, module = packed()
     many = torch.randn(MAX_PACKED_ROWS + 1, 96)
     with torch.no_grad():
         assert torch.equal(module(many), linear(many))  # too many rows
-        half = torch.randn(3, 96, dtype=torch.bfloat16)
-        assert torch.equal(module.to(torch.bfloat16)(half), linear(half))  # another dtype
+        half = torch.randn(3, 96, dtype=torch.float16)
+        assert torch.equal(module.to(torch.float16)(half), linear(half))  # another dtype
     assert module._packed is None
     # gradients: the default's autograd, identical results and gradients
     x = torch.randn(3, 96, requires_grad=True)
@@ -104,6 +137,6 @@ def test_prepack_keeps_parameters_and_tying_and_greedy_decoding():
 
 def test_prepack_leaves_other_dtypes_and_small_weights_alone():
     model = make_tiny_llama(96, num_layers=1)
-    assert prepack_linears(model.to(torch.bfloat16), min_weight=0) == 0
+    assert prepack_linears(model.to(torch.float16), min_weight=0) == 0
     assert prepack_linears(model.float()) == 0  # 64-wide: oneDNN's call overhead would lose
     assert not any(isinstance(m, PackedLinear) for m in model.modules())

@@ -1,5 +1,7 @@
 """Sampling verification follows the target's distribution exactly (chi-square tests)."""
 
+import copy
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -78,17 +80,25 @@ def chi_square_p(counts, expected_probs, min_expected=5.0) -> float:
     return float(chisquare(observed, [e * scale for e in expected]).pvalue)
 
 
-@pytest.mark.slow  # 4 x 6000 speculative generations, ~3.5 minutes on 2 cores
+@pytest.mark.slow  # 5 x 6000 speculative generations, ~4.5 minutes on 2 cores
 @pytest.mark.parametrize(
-    ("topk", "num_steps", "num_draft_tokens", "top_p"),
-    [(1, 2, None, 1.0), (1, 2, None, 0.8), (2, 2, 4, 1.0), (1, "auto", None, 1.0)],
-    ids=["chain", "chain-top-p", "tree", "chain-auto-depth"],
+    ("topk", "num_steps", "num_draft_tokens", "top_p", "draft_dtype"),
+    [
+        (1, 2, None, 1.0, torch.float32),
+        (1, 2, None, 0.8, torch.float32),
+        (2, 2, 4, 1.0, torch.float32),
+        (1, "auto", None, 1.0, torch.float32),
+        (1, 2, None, 1.0, torch.bfloat16),  # bench.draft_dtype beside a float32 target
+    ],
+    ids=["chain", "chain-top-p", "tree", "chain-auto-depth", "chain-bfloat16-draft"],
 )
-def test_speculative_sampling_matches_the_target(models, topk, num_steps, num_draft_tokens, top_p):
+def test_speculative_sampling_matches_the_target(
+    models, topk, num_steps, num_draft_tokens, top_p, draft_dtype
+):
     target, draft = models
     decoder = SpeculativeDecoder(
         target,
-        draft,
+        copy.deepcopy(draft).to(draft_dtype),
         aux_layer_ids=[1, 1, 0],
         num_steps=num_steps,
         topk=topk,

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from specforge.models.packed_linear import prepack_linears
 from specforge.serving.speculative import SpeculativeDecoder
 from tests.helpers import StubDraft, greedy_reference, make_tiny_llama, tiny_draft
 
@@ -130,6 +131,30 @@ def test_tree_with_a_random_draft_is_lossless(target):
         )
         tokens, _ = decoder.generate(prompt, max_new_tokens=20)
         assert tokens == reference[prompt.shape[1] :]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_bfloat16_draft_beside_a_float32_target_is_lossless(target, packed):
+    """``bench.draft_dtype``: the draft may run in another dtype than the target's; chains,
+    trees and ``auto`` (with siblings) all stay the target's greedy decoding."""
+    _, draft = tiny_draft(seed=5)
+    draft.to(torch.bfloat16)
+    if packed and prepack_linears(draft, min_weight=0) == 0:
+        pytest.skip("this CPU has no native bfloat16 for oneDNN")
+    settings = [
+        {"num_steps": 3},
+        {"num_steps": 3, "topk": 3, "num_draft_tokens": 8},
+        {"num_steps": "auto"},
+    ]
+    for seed in range(4):
+        torch.manual_seed(300 + seed)
+        prompt = torch.randint(0, VOCAB, (1, 3 + seed))
+        reference = greedy_reference(target, prompt, 20)[prompt.shape[1] :]
+        for setting in settings:
+            decoder = SpeculativeDecoder(target, draft, aux_layer_ids=[1, 1, 0], **setting)
+            tokens, stats = decoder.generate(prompt, max_new_tokens=20)
+            assert tokens == reference, setting
+            assert stats.verifications > 0
 
 
 def test_tree_of_width_one_is_the_chain(target):
