@@ -286,7 +286,8 @@ def write_report(result: dict[str, Any], out: Path) -> None:
     lines = [
         f"# Accept length: {s['questions']} ({result['turns']} turns)",
         "",
-        f"target `{s['target']}` ({s['dtype']}, {s['device']}), draft `{s['draft']}`, "
+        f"target `{s['target']}` ({s['dtype']}, {s['device']}), draft `{s['draft']}` "
+        f"({s['draft_dtype']}), "
         f"num_steps={s['num_steps']}, topk={s['topk']}, num_draft_tokens={s['num_draft_tokens']},"
         f" max_new_tokens={s['max_new_tokens']}, greedy, batch size 1; the target alone decodes "
         + (

@@ -63,9 +63,11 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
         "3": sum(len(t["accepted_per_round"]) for t in result["turn_details"])
     }
     assert result["sglang_advice"]["sglang_flags"].startswith("--speculative-algorithm EAGLE3")
-    assert (out / "bench.png").stat().st_size > 1000 and "tau_sglang" in (
-        out / "bench.md"
-    ).read_text()
+    report = (out / "bench.md").read_text()
+    assert (out / "bench.png").stat().st_size > 1000 and "tau_sglang" in report
+    # the draft's dtype (bench.draft_dtype, resolved) is recorded and shown
+    draft_dtype = result["settings"]["draft_dtype"]
+    assert draft_dtype in ("bfloat16", "float32") and f"({draft_dtype})" in report
     progress = capsys.readouterr().err  # a sign of life: turns done, tokens/s, running tau
     assert "bench: 100%" in progress and "3/3" in progress and "tau=" in progress
 
