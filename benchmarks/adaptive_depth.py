@@ -81,10 +81,10 @@ def main() -> None:
     comparison, tokenizer = build_comparison(cfg)
     base = comparison.decoder
     drafts = {cfg.bench.draft_dtype: base.draft_model}
-    decoders = {}
+    decoders, draft_dtypes = {}, {}
     for setting in args.settings:
         shape, _, dtype = setting.partition("@")
-        dtype = dtype or cfg.bench.draft_dtype
+        dtype = draft_dtypes[setting] = dtype or cfg.bench.draft_dtype
         if dtype not in drafts:
             torch_dtype(dtype)  # an unknown name is refused before any loading
             drafts[dtype] = load_bench_draft(cfg, base.target, dtype)
@@ -129,9 +129,7 @@ def main() -> None:
                 "tau": round(tally.stats.tau, 3),
                 "tokens_per_s": round(speed, 2),
                 "speedup": round(speed / target_speed, 3),
-                "draft_dtype": str(decoders[setting].draft_model.fc.weight.dtype).removeprefix(
-                    "torch."
-                ),
+                "draft_dtype": draft_dtypes[setting],
                 "all_match": all(turn["match"] for turn in tally.turns),
                 "depth_histogram": tally.stats.depth_histogram,
                 "dormant_rounds": tally.stats.dormant_rounds,

@@ -350,10 +350,15 @@ class SpeculativeDecoder:
             dists.append(dist)
             if k == steps - 1:
                 break
-            step_position = torch.tensor([[position + 1 + k]], device=self.device)
-            step_logits, hidden = self.draft_model(token[None], hidden, step_position, cache=cache)
-            logits = step_logits[0, -1].float()
+            logits, hidden = self._draft_step(token, hidden, position + 1 + k, cache)
         return torch.cat(tokens), (torch.stack(dists) if self.sampling else None)
+
+    def _draft_step(self, token: torch.Tensor, hidden: torch.Tensor, position: int, cache):
+        """One draft forward over ``token`` (1,) at ``position`` after ``hidden`` (1, 1, H):
+        the next logits (float32 whatever the draft's dtype) and hidden state."""
+        step_position = torch.tensor([[position]], device=self.device)
+        step_logits, hidden = self.draft_model(token[None], hidden, step_position, cache=cache)
+        return step_logits[0, -1].float(), hidden
 
     @staticmethod
     def accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -437,13 +442,10 @@ class SpeculativeDecoder:
         """Greedy ``auto``'s round with siblings: verify the chain and the siblings beside its
         first token as ``tree`` (:func:`fan_tree`), accept the longest matching path, keep its
         cache rows only. Returns what :meth:`_chain_round` does."""
-        start = self._clock()
-        ids, positions, visible = verification_inputs(tree, next_token, length)
-        with tree_attention(self.target, positions[0], visible, prefix=length):
-            target_logits, aux = self._target_forward(ids, target_cache, positions)
-        verify_seconds = self._clock() - start
-        stats.verify_seconds += verify_seconds
-        self.costs.observe_verify(len(ids[0]), verify_seconds)
+        target_logits, aux, seconds = self._verify_tree(
+            tree, next_token, length, target_cache, stats
+        )
+        self.costs.observe_verify(1 + len(tree.tokens), seconds)  # the root and the tree
         self._learn_siblings(ranked, target_logits)
         path, bonus = accept_greedy(tree, target_logits)
         depth = len(probs)
@@ -453,10 +455,27 @@ class SpeculativeDecoder:
         stats.sibling_rounds += 1
         if chain_accepted < len(path):
             stats.sibling_hit_rounds.append(len(stats.accepted_per_round))
+        return self._keep_path(tree, path, bonus, length, target_cache, aux)
+
+    def _verify_tree(self, tree, next_token: int, length: int, target_cache, stats):
+        """The target's forward over the root ``next_token`` and ``tree`` with the tree mask
+        (timed into ``stats.verify_seconds``): its logits and fused-aux inputs per row, and the
+        seconds it took."""
+        start = self._clock()
+        ids, positions, visible = verification_inputs(tree, next_token, length)
+        with tree_attention(self.target, positions[0], visible, prefix=length):
+            target_logits, aux = self._target_forward(ids, target_cache, positions)
+        seconds = self._clock() - start
+        stats.verify_seconds += seconds
+        return target_logits, aux, seconds
+
+    @staticmethod
+    def _keep_path(tree, path: list[int], bonus: int, length: int, target_cache, aux):
+        """Keep the accepted ``path``'s cache rows only; returns what a round returns: the
+        emitted tokens, how many draft tokens were accepted and their aux rows."""
         rows = [0] + [node + 1 for node in path]
         gather_cache(target_cache, length, rows)
-        emitted = [int(tree.tokens[node]) for node in path] + [bonus]
-        return emitted, len(path), aux[:, rows]
+        return [int(tree.tokens[node]) for node in path] + [bonus], len(path), aux[:, rows]
 
     def _learn_siblings(self, ranked: list[tuple[int, float]], target_logits: torch.Tensor):
         """Every further candidate of the first position ``(target id, q)`` learns from the
@@ -489,9 +508,7 @@ class SpeculativeDecoder:
             depth += 1
             if depth == self.num_steps or best_depth([*known, *rates[depth:]], self.costs) <= depth:
                 return torch.cat(tokens), probs, None
-            step_position = torch.tensor([[position + depth]], device=self.device)
-            step_logits, hidden = self.draft_model(token[None], hidden, step_position, cache=cache)
-            logits = step_logits[0, -1].float()
+            logits, hidden = self._draft_step(token, hidden, position + depth, cache)
 
     def _siblings(self, logits: torch.Tensor, tokens, probs: list[float], candidate):
         """Greedy ``auto``: the first position's next most likely draft tokens and how many of
@@ -576,13 +593,9 @@ class SpeculativeDecoder:
             num_steps=self.num_steps,
             num_draft_tokens=self.num_draft_tokens,
         )
-        drafted = self._clock()
+        stats.draft_seconds += self._clock() - start
         # 2. verify root + tree in one forward with the tree mask
-        ids, positions, visible = verification_inputs(tree, next_token, length)
-        with tree_attention(self.target, positions[0], visible, prefix=length):
-            target_logits, aux = self._target_forward(ids, target_cache, positions)
-        stats.draft_seconds += drafted - start
-        stats.verify_seconds += self._clock() - drafted
+        target_logits, aux, _ = self._verify_tree(tree, next_token, length, target_cache, stats)
         # 3. accept the longest matching path; keep its cache rows only
         if self.sampling:
             target_probs = warp_probs(target_logits, self.temperature, self.top_p)
@@ -590,9 +603,7 @@ class SpeculativeDecoder:
         else:
             path, bonus = accept_greedy(tree, target_logits)
         stats.depth_per_round.append(self.num_steps)
-        rows = [0] + [node + 1 for node in path]
-        gather_cache(target_cache, length, rows)
-        return [int(tree.tokens[n]) for n in path] + [bonus], len(path), aux[:, rows]
+        return self._keep_path(tree, path, bonus, length, target_cache, aux)
 
     @torch.no_grad()
     def generate(
