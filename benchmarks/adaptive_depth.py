@@ -97,7 +97,10 @@ def main() -> None:
     eos = end_of_turn_ids(tokenizer, base.target.generation_config)
     source = resolve_question_set(args.questions)
     questions = load_questions(source, limit=args.limit)
-    hello = torch.tensor([prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}])])
+    device = cfg.target.device
+    hello = torch.tensor(
+        [prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}])], device=device
+    )
     comparison.warm_up(hello)
     for decoder in decoders.values():
         decoder.generate(hello, max_new_tokens=8, eos_token_ids=eos)  # warm-up; auto calibrates
@@ -109,7 +112,7 @@ def main() -> None:
     for question in questions:
 
         def answer(turn, messages):
-            ids = torch.tensor([prompt_ids(tokenizer, messages)])
+            ids = torch.tensor([prompt_ids(tokenizer, messages)], device=device)
             reference, _ = comparison.run_baselines(ids, baseline)
             for setting, decoder in decoders.items():
                 comparison.run_decoder(decoder, ids, reference, tallies[setting])

@@ -9,15 +9,16 @@ paths: ``today`` (fixed batches, ``regenerate.backend: static``, ``--baseline-ba
 issue was filed), ``static, ours`` (the same batches on the attention and the prepacked linear
 layers ``load_target`` installs), ``continuous`` (continuous batching, ``--batch-size``,
 same dtype), ``new`` (continuous batching in ``--new-dtype``; the same run as ``continuous``
-when the dtypes agree) and, with ``--compare-row-spans``, ``one span`` (``new`` with decode
-attention over the whole batch, as before ``regenerate.rows_per_span``), with generated
+when the dtypes agree) and, with ``--compare-row-spans``, ``new`` with the other decode
+attention spans than ``regenerate.rows_per_span: auto`` gives (``one span`` over the whole batch
+on a CPU, ``16-row spans`` on a GPU), with generated
 tokens/s, their ratios to today's, how many answers are token-identical to today's, and how
 often decode -> re-encode differs from the generated ids; with ``--synthesize N``, the target
 writing N prompts with the top-p nucleus found among its top candidates and by ranking the
 whole vocabulary (a top-k over all of it, which costs what the earlier full sort did; same
 seeds); tokenization with loss masks (conversations/s), and
-the vocabulary map. Run it alone: a second CPU-heavy process
-slows PyTorch many times over.
+the vocabulary map. ``--device cuda`` runs the target on a GPU. Run it alone: a second
+CPU-heavy process slows PyTorch many times over.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from specforge.config import RegenerateConfig, SynthesizeConfig, TargetConfig
 from specforge.data import generation
 from specforge.data.chat import end_of_turn_ids, tokenize_conversations
 from specforge.data.conversations import Conversation
+from specforge.data.generation import CPU_ROWS_PER_SPAN
 from specforge.data.prompts import builtin_conversations
 from specforge.data.regenerate import regenerate_conversations
 from specforge.data.synthesize import synthesize_conversations
@@ -56,7 +58,7 @@ class RegenerationPath(NamedTuple):
     backend: str
     batch_size: int
     dtype: str
-    rows_per_span: int
+    rows_per_span: int | str
     attention: str | None = None
     """``target.attn_implementation`` (None: what ``load_target`` installs)."""
     prepack: bool = True
@@ -75,10 +77,10 @@ def paths(args) -> dict[str, RegenerationPath]:
     }
     if args.new_dtype != args.dtype:
         runs[NEW] = RegenerationPath("continuous", args.batch_size, args.new_dtype, spans)
-    if args.compare_row_spans:
-        runs[ONE_SPAN] = RegenerationPath(
-            "continuous", args.batch_size, args.new_dtype, args.batch_size
-        )
+    if args.compare_row_spans:  # the other choice: one span on a CPU, CPU's spans elsewhere
+        other = args.batch_size if args.device == "cpu" else CPU_ROWS_PER_SPAN
+        name = ONE_SPAN if other >= args.batch_size else f"{other}-row spans"
+        runs[name] = RegenerationPath("continuous", args.batch_size, args.new_dtype, other)
     return runs
 
 
@@ -126,7 +128,9 @@ def main() -> None:
     parser.add_argument(
         "--compare-row-spans",
         action="store_true",
-        help="also run the new path with decode attention over the whole batch (one span)",
+        help="also run the new path with the other decode attention spans than "
+        "regenerate.rows_per_span's auto: over the whole batch (one span) on a CPU, "
+        f"{CPU_ROWS_PER_SPAN}-row spans elsewhere",
     )
     parser.add_argument(
         "--synthesize",
@@ -136,6 +140,7 @@ def main() -> None:
         help="also time the target writing N prompts (top-p sampling) with the nucleus found "
         "among the top candidates and by ranking the whole vocabulary (as the earlier sort did)",
     )
+    parser.add_argument("--device", default="cpu", help="the target's device (cpu, cuda)")
     parser.add_argument("--output", default="outputs/bench/prepare_stages.json")
     args = parser.parse_args()
     rows: list[tuple[str, float | None, str]] = []  # None: a ratio row
@@ -148,7 +153,9 @@ def main() -> None:
         size_mb = sum(f.stat().st_size for f in folder.iterdir()) / 1e6
         rows.append(("convert GGUF -> HF folder (first use)", convert_s, f"{size_mb:.0f} MB"))
         start = time.perf_counter()
-        model, tokenizer = load_target(TargetConfig(str(folder), dtype=args.dtype))
+        model, tokenizer = load_target(
+            TargetConfig(str(folder), dtype=args.dtype, device=args.device)
+        )
         rows.append(("load cached target", time.perf_counter() - start, args.dtype))
 
         synthesis = time_synthesis(model, tokenizer, args.synthesize) if args.synthesize else {}
@@ -184,6 +191,7 @@ def main() -> None:
                         dtype=dtype,
                         attn_implementation=attention,
                         prepack_linear=prepack,
+                        device=args.device,
                     )
                 )
             cfg = RegenerateConfig(
@@ -245,6 +253,7 @@ def main() -> None:
 
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
         "regenerate": {path: r.as_dict() for path, r in reports.items()},

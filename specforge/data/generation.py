@@ -114,9 +114,21 @@ class GenerationSettings:
     reclaim_fraction: float = 0.25
     """Finished rows stay (ignored) until this share of the batch is finished or prompts wait
     for a slot; then one compaction reclaims them."""
-    rows_per_span: int = 16
+    rows_per_span: int | None = None
     """Decode attention runs over spans of this many consecutive rows, each reading only the
-    key columns its longest row fills (:func:`~specforge.data.kv_cache.attention_row_spans`)."""
+    key columns its longest row fills (:func:`~specforge.data.kv_cache.attention_row_spans`).
+    None: :func:`default_rows_per_span` for the model's device."""
+
+
+CPU_ROWS_PER_SPAN = 16
+"""Rows per attention span on a CPU (``regenerate.rows_per_span: auto``)."""
+
+
+def default_rows_per_span(device: torch.device, max_batch_size: int) -> int:
+    """:data:`CPU_ROWS_PER_SPAN` on a CPU, where decode attention is bound by the memory it
+    reads; the whole batch (one span) elsewhere: on a GPU every span is its own kernel
+    launches, which cost more than the padding columns they skip."""
+    return CPU_ROWS_PER_SPAN if device.type == "cpu" else max(1, max_batch_size)
 
 
 @dataclass
@@ -144,6 +156,9 @@ class ContinuousBatcher:
         self.model = model
         self.settings = settings
         self.device = next(model.parameters()).device
+        self.rows_per_span = settings.rows_per_span or default_rows_per_span(
+            self.device, settings.max_batch_size
+        )
         self.steps = 0
         """Decode forwards run (for throughput reports)."""
 
@@ -245,12 +260,12 @@ class ContinuousBatcher:
                 batch.tokens[row].append(token)
 
     def _row_spans(self, mask: torch.Tensor) -> list[RowSpan]:
-        """(start, end, columns) per :attr:`GenerationSettings.rows_per_span` rows: rows are
+        """(start, end, columns) per ``rows_per_span`` rows (:class:`GenerationSettings`): rows are
         left-padded, so a span's real keys are its last ``columns``, from its earliest first
         real column on. Rows join in order of age, so neighbours hold similar lengths."""
         # the first maximum: each row's first real column
         lengths = (mask.shape[1] - mask.max(-1).indices).tolist()
-        step = max(1, self.settings.rows_per_span)
+        step = max(1, self.rows_per_span)
         return [
             (start, min(start + step, len(lengths)), max(lengths[start : start + step]))
             for start in range(0, len(lengths), step)

@@ -285,7 +285,7 @@ def run_continuous(model, run: Regeneration, states, progress: tqdm, start: floa
         max_batch_size=cfg.batch_size,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
-        rows_per_span=cfg.rows_per_span,
+        rows_per_span=None if cfg.rows_per_span == "auto" else cfg.rows_per_span,
     )
     pending: list[Request] = []
 

@@ -146,8 +146,10 @@ def norm_scale(norm: nn.Module, width: int, params: dict[str, torch.Tensor] | No
     state = {k: v.float() for k, v in params.items()} if params is not None else None
     x = torch.stack([probe, -probe])
     if state is None:
-        dtype = next((p.dtype for p in norm.parameters()), torch.float32)
-        out = norm(x.to(dtype)).float()
+        weight = next(norm.parameters(), None)
+        if weight is not None:  # the probe where the norm is (a target on a GPU)
+            probe, x = probe.to(weight.device), x.to(weight.device, weight.dtype)
+        out = norm(x).float()
     else:
         out = torch.func.functional_call(norm, state, (x,)).float()
     normalised = probe / probe.pow(2).mean().sqrt()

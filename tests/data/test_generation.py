@@ -6,7 +6,13 @@ import torch
 
 from specforge.config import RegenerateConfig
 from specforge.data.conversations import Conversation
-from specforge.data.generation import ContinuousBatcher, GenerationSettings, Request
+from specforge.data.generation import (
+    CPU_ROWS_PER_SPAN,
+    ContinuousBatcher,
+    GenerationSettings,
+    Request,
+    default_rows_per_span,
+)
 from specforge.data.regenerate import regenerate_conversations
 from specforge.io import read_jsonl
 from specforge.models.target import use_grouped_sdpa
@@ -59,6 +65,18 @@ def test_row_spans_cover_each_rows_real_columns(tiny_target):
     )
     # rows 0-1 need their last 3 columns, rows 2-3 all 5, row 4 its last 4
     assert ContinuousBatcher(model, settings)._row_spans(mask) == [(0, 2, 3), (2, 4, 5), (4, 5, 4)]
+
+
+def test_auto_row_spans_are_the_cpus_16_and_one_span_on_a_gpu(tiny_target):
+    """``regenerate.rows_per_span: auto``: 16-row spans on a CPU; the whole batch on a GPU,
+    where each span costs kernel launches (169 ms a decode step, 256 rows, on an H200)."""
+    model, _ = tiny_target
+    settings = GenerationSettings(max_new_tokens=4, eos_ids=[1], pad_id=0, max_batch_size=256)
+    assert ContinuousBatcher(model, settings).rows_per_span == CPU_ROWS_PER_SPAN == 16
+    assert default_rows_per_span(torch.device("cuda", 0), 256) == 256
+    explicit = GenerationSettings(max_new_tokens=4, eos_ids=[1], pad_id=0, rows_per_span=4)
+    assert ContinuousBatcher(model, explicit).rows_per_span == 4
+    assert RegenerateConfig().rows_per_span == "auto"
 
 
 def test_follow_up_requests_join_the_running_batch(tiny_target):

@@ -14,6 +14,7 @@ from specforge.models.adapter import (
     final_norm,
     find_decoder,
     norm_eps,
+    norm_scale,
     serving_refusal,
     tree_refusal,
 )
@@ -47,6 +48,15 @@ def test_final_norm_scale_is_what_the_norm_applies(tmp_path, name, expected):
         weight.uniform_(-0.5, 0.5)  # make the difference between w and 1 + w visible
     head = target_head(model)
     torch.testing.assert_close(head.norm, expected(weight), atol=1e-4, rtol=1e-4)
+
+
+def test_norm_scale_probes_where_the_norm_is(tmp_path):
+    """A target on another device than the CPU (online training on CUDA failed here): the
+    probe follows the norm's weight. The meta device stands in for a GPU."""
+    model, _ = tiny("llama", tmp_path)
+    norm = final_norm(model).to("meta")
+    scale = norm_scale(norm, norm.weight.shape[0])
+    assert scale.device.type == "meta" and scale.shape == norm.weight.shape
 
 
 def test_norm_without_weights_scales_by_one(tmp_path):

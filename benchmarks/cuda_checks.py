@@ -1,0 +1,132 @@
+"""The GPU checks of the runtime and data-engine issues in one bounded run on a CUDA machine:
+each stage a subprocess with its own time limit, its log beside a summary JSON.
+
+    python benchmarks/cuda_checks.py --draft outputs/quickstart/export \\
+        --questions question.jsonl --data outputs/quickstart/conversations.jsonl \\
+        --output outputs/cuda --quickstart-minutes 30
+
+Stages, in order of what a short lease should get first:
+
+1. ``adaptive``: ``benchmarks/adaptive_depth.py`` on CUDA, fixed chain depths 1-7 and ``auto``
+   (the runtime issue's table; ``--limit`` questions);
+2. ``regeneration``: ``benchmarks/prepare_stages.py --device cuda --compare-row-spans``: the
+   earlier static batches, ours, continuous batching (one attention span on a GPU) and
+   continuous batching with the CPU's 16-row spans;
+3. ``train bN``: ``benchmarks/train_throughput.py`` of the long recipe on CUDA, batch 1 (the
+   recipe's) and 4, on ``--data`` (prepared conversations);
+4. ``long recipe`` (with ``--quickstart-minutes``): ``specforge quickstart`` of the long recipe on
+   CUDA within that budget, 256 prompts written and answered at a time: each stage's tokens/s
+   (``conversations.stats.json``, ``metrics.jsonl``) and the resulting MT-Bench ``tau``.
+
+A stage that fails or runs out of time is recorded and the next one runs. Stages without their
+input (no ``--draft`` for 1, no ``--data`` for 3) are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from specforge.io import write_json_atomic
+
+
+def stages(args) -> list[tuple[str, list[str], float]]:
+    """(name, command, seconds allowed) of every stage this run has the inputs for."""
+    out, py = Path(args.output), sys.executable
+    runs = []
+    if args.draft:
+        depths = [str(d) for d in range(1, 8)]
+        runs.append(
+            (
+                "adaptive",
+                [py, "benchmarks/adaptive_depth.py", "--draft", args.draft]
+                + ["--questions", args.questions, "--limit", str(args.limit)]
+                + ["--settings", *depths, "auto", "--output", str(out / "adaptive_depth.json")]
+                + [f"target.device={args.device}"],
+                args.seconds[0],
+            )
+        )
+    rows = str(args.regenerate_prompts)
+    runs.append(
+        (
+            "regeneration",
+            [py, "benchmarks/prepare_stages.py", "--device", args.device, "--limit", rows]
+            + ["--batch-size", rows, "--baseline-batch-size", "32", "--compare-row-spans"]
+            + ["--output", str(out / "prepare_stages.json")],
+            args.seconds[1],
+        )
+    )
+    if args.data:
+        for batch in (1, 4):
+            runs.append(
+                (
+                    f"train b{batch}",
+                    [py, "benchmarks/train_throughput.py", "--config", args.recipe]
+                    + ["--output", str(out / f"train_throughput_b{batch}.json")]
+                    + [f"target.device={args.device}", f"train.data_path={args.data}"]
+                    + [f"train.batch_size={batch}"],
+                    args.seconds[2],
+                )
+            )
+    if args.quickstart_minutes:
+        runs.append(
+            (
+                "long recipe",
+                [py, "-m", "specforge.cli", "quickstart", "--config", args.recipe]
+                + ["--output", str(out / "long"), "--questions", args.questions]
+                + ["--minutes", str(args.quickstart_minutes), f"target.device={args.device}"]
+                + ["synthesize.batch_size=256", "regenerate.batch_size=256"]
+                + [f"bench.limit={args.limit}"],
+                # the budget, plus loading and the bench's own estimate's slack
+                60 * args.quickstart_minutes * 1.2 + 60,
+            )
+        )
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", help="an export directory (stage 1)")
+    parser.add_argument("--questions", default="builtin-eval")
+    parser.add_argument("--limit", type=int, default=5, help="questions for stages 1 and 4")
+    parser.add_argument("--data", help="prepared conversations (stage 3)")
+    parser.add_argument("--recipe", default="configs/smollm2-135m-eagle3-long.yaml")
+    parser.add_argument("--regenerate-prompts", type=int, default=128)
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        nargs=3,
+        default=[300, 300, 120],
+        metavar=("ADAPTIVE", "REGENERATION", "TRAIN"),
+        help="time allowed for stages 1, 2 and each run of 3",
+    )
+    parser.add_argument("--quickstart-minutes", type=float, default=0, help="0: no stage 4")
+    parser.add_argument("--device", default="cuda", help="where the target runs")
+    parser.add_argument("--output", default="outputs/cuda")
+    args = parser.parse_args()
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = []
+    for name, command, seconds in stages(args):
+        log = out / f"{name.replace(' ', '_')}.log"
+        start = time.perf_counter()
+        with log.open("w") as sink:
+            try:
+                rc = subprocess.run(
+                    command, stdout=sink, stderr=subprocess.STDOUT, timeout=seconds
+                ).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timed out"
+        took = time.perf_counter() - start
+        summary.append({"stage": name, "returncode": rc, "seconds": round(took, 1)})
+        print(f"{name}: {rc} after {took:.0f} s (log: {log})", flush=True)
+        write_json_atomic(out / "cuda_checks.json", {"stages": summary, "argv": sys.argv})
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
