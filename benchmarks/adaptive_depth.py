@@ -118,22 +118,31 @@ def main() -> None:
         warm_up_turns = int(torch.device(device).type == "cuda")
     first = [{"role": "user", "content": questions[0].turns[0]}]
     first_ids = torch.tensor([prompt_ids(tokenizer, first)], device=device)
+
+    def tallies_of_a_run() -> tuple[BenchTally, dict[str, BenchTally]]:
+        """The target alone's tally and every setting's."""
+        return BenchTally(num_steps=base.num_steps), {
+            s: BenchTally(num_steps=decoders[s].num_steps) for s in args.settings
+        }
+
+    def run_turn(ids, baseline: BenchTally, tallies: dict[str, BenchTally]) -> list[int]:
+        """The target alone, then every setting, on ``ids``; returns the target's answer."""
+        reference, _ = comparison.run_baselines(ids, baseline)
+        for setting, decoder in decoders.items():
+            comparison.run_decoder(decoder, ids, reference, tallies[setting])
+        return reference
+
     for _ in range(warm_up_turns):
-        reference, _ = comparison.run_baselines(first_ids, BenchTally(num_steps=base.num_steps))
-        for decoder in decoders.values():
-            comparison.run_decoder(decoder, first_ids, reference, BenchTally(decoder.num_steps))
+        run_turn(first_ids, *tallies_of_a_run())  # untimed: its tallies are dropped
     # each auto setting calibrates its own draft (a draft step's cost depends on its dtype)
     calibration = {s: d.costs.as_dict() for s, d in decoders.items() if d.costs is not None}
-    baseline = BenchTally(num_steps=base.num_steps)  # the target alone
-    tallies = {s: BenchTally(num_steps=decoders[s].num_steps) for s in args.settings}
+    baseline, tallies = tallies_of_a_run()  # baseline: the target alone
     progress = tqdm(total=sum(len(q.turns) for q in questions), desc="adaptive", unit="turn")
     for question in questions:
 
         def answer(turn, messages):
             ids = torch.tensor([prompt_ids(tokenizer, messages)], device=device)
-            reference, _ = comparison.run_baselines(ids, baseline)
-            for setting, decoder in decoders.items():
-                comparison.run_decoder(decoder, ids, reference, tallies[setting])
+            reference = run_turn(ids, baseline, tallies)
             progress.update(1)
             return tokenizer.decode(reference, skip_special_tokens=True), None
 

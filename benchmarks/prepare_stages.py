@@ -37,7 +37,7 @@ from specforge.config import RegenerateConfig, SynthesizeConfig, TargetConfig
 from specforge.data import generation
 from specforge.data.chat import end_of_turn_ids, tokenize_conversations
 from specforge.data.conversations import Conversation
-from specforge.data.generation import CPU_ROWS_PER_SPAN
+from specforge.data.generation import CPU_ROWS_PER_SPAN, default_rows_per_span
 from specforge.data.prompts import builtin_conversations
 from specforge.data.regenerate import regenerate_conversations
 from specforge.data.synthesize import synthesize_conversations
@@ -77,8 +77,9 @@ def paths(args) -> dict[str, RegenerationPath]:
     }
     if args.new_dtype != args.dtype:
         runs[NEW] = RegenerationPath("continuous", args.batch_size, args.new_dtype, spans)
-    if args.compare_row_spans:  # the other choice: one span on a CPU, CPU's spans elsewhere
-        other = args.batch_size if args.device == "cpu" else CPU_ROWS_PER_SPAN
+    if args.compare_row_spans:  # the other choice than auto's on this device
+        auto = default_rows_per_span(torch.device(args.device), args.batch_size)
+        other = args.batch_size if auto < args.batch_size else CPU_ROWS_PER_SPAN
         name = ONE_SPAN if other >= args.batch_size else f"{other}-row spans"
         runs[name] = RegenerationPath("continuous", args.batch_size, args.new_dtype, other)
     return runs

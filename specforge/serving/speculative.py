@@ -274,16 +274,15 @@ class SpeculativeDecoder:
         ids = input_ids.to(self.device).repeat(1, -(-context // input_ids.shape[1]))[:, :context]
         target_cache, draft_cache = growing_cache(), DraftKVCache()
         _, aux = self._target_forward(ids, target_cache, logits_to_keep=1)
-        logits, hidden = self._draft_extend(ids[:, 1:], aux[:, :-1], 0, draft_cache)
+        _, hidden = self._draft_extend(ids[:, 1:], aux[:, :-1], 0, draft_cache)
         token = ids[:, -1:]
 
         def verify(n: int) -> None:
             self._target_forward(token.repeat(1, n), target_cache)
             crop_cache(target_cache, context)
 
-        def draft_step() -> None:
-            position = torch.tensor([[context - 1]], device=self.device)
-            self.draft_model(token, hidden, position, cache=draft_cache)
+        def draft_step() -> None:  # what a round's draft step runs
+            self._draft_step(token[0], hidden, context - 1, draft_cache)
             crop_cache(draft_cache, context - 1)
 
         self.costs = calibrate(verify, draft_step, max_depth=self.num_steps, clock=self._clock)
