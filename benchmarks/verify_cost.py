@@ -9,12 +9,16 @@ is cropped back, for each ``k`` in ``--tokens``; a freshly initialized draft of 
 geometry extends its own cache by one token. Each figure is the median of ``--repeats`` timed
 calls after one warm-up call. Every figure is taken twice in the same run: with PyTorch's
 default linear, then with the linears prepacked (``target.prepack_linear``, the default on CPU in
-float32). Prints a table and writes JSON.
+float32). Then the draft's extension over 3 accepted tokens right after a 3-token verification
+(its weights cold, as in a round), for each form the bench may load the draft in: float32,
+bfloat16 (both prepacked) and bfloat16 with int8 weights (``bench.draft_quantize``). Prints a
+table and writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import statistics
@@ -26,6 +30,7 @@ import torch
 from specforge.config import TORCH_DTYPES, TargetConfig, torch_dtype
 from specforge.io import write_json_atomic
 from specforge.models.eagle3 import DraftKVCache, Eagle3Config, build_draft_model
+from specforge.models.int8_linear import int8_linear_available, quantize_linears
 from specforge.models.packed_linear import PackedLinear, default_linears, prepack_linears
 from specforge.models.target import default_aux_layer_ids, load_target
 from specforge.serving.speculative import SpeculativeDecoder, crop_cache
@@ -98,6 +103,30 @@ def main() -> None:
             "draft_step_ms": median_ms(draft_step, args.repeats),
         }
 
+    def extension_after_verification_ms(form) -> float:
+        """The draft's extension over 3 accepted tokens right after a 3-token verification
+        (its weights evicted by the target's forward, as in a round of the runtime)."""
+        cache, accepted = DraftKVCache(), prompt[:, -3:]
+        form(prompt, form.fuse(aux), torch.arange(args.context)[None], cache=cache)
+        positions = torch.arange(args.context - 3, args.context)[None]
+        verify_three, times = verify(3), []
+        for _ in range(args.repeats + 1):  # the first is a warm-up
+            verify_three()
+            crop_cache(cache, args.context - 3)
+            start = time.perf_counter()
+            form(accepted, form.fuse(aux[:, -3:]), positions, cache=cache, logits_to_keep=1)
+            times.append(time.perf_counter() - start)
+        return 1000 * statistics.median(times[1:])
+
+    # the draft as the bench may load it (bench.draft_dtype, bench.draft_quantize): float32 and
+    # bfloat16 prepacked, bfloat16 with int8 weights (models/int8_linear.py)
+    forms = {"float32": copy.deepcopy(draft).float(), "bfloat16": copy.deepcopy(draft).bfloat16()}
+    if int8_linear_available():
+        forms["bfloat16, int8 weights"] = copy.deepcopy(draft).bfloat16()
+        quantize_linears(forms["bfloat16, int8 weights"])
+    for form in forms.values():
+        prepack_linears(form)  # no-op for the int8 form: it has no nn.Linear left
+    extension_ms = {name: extension_after_verification_ms(form) for name, form in forms.items()}
     # PyTorch's default linear, then the same models with their linears prepacked (the
     # runtime's default on CPU in float32, as the bench loads them; see
     # specforge/models/packed_linear.py)
@@ -113,6 +142,7 @@ def main() -> None:
         "context": args.context,
         **kernels["prepacked" if "prepacked" in kernels else "default"],
         "linear_kernels": kernels,
+        "draft_extension_after_verification_ms": extension_ms,
     }
     write_json_atomic(Path(args.output), result)
     print(f"\n{args.target} ({args.dtype}), context {args.context}")
@@ -127,7 +157,10 @@ def main() -> None:
         ]
         print(f"| {k} | " + " | ".join(cells) + " |")
     steps = ", ".join(f"{n} {kernels[n]['draft_step_ms']:.2f} ms" for n in names)
-    print(f"\ndraft step: {steps}\nwrote {args.output}")
+    print(f"\ndraft step: {steps}")
+    extensions = ", ".join(f"{name} {ms:.2f} ms" for name, ms in extension_ms.items())
+    print(f"draft extension over 3 tokens after a verification: {extensions}")
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,13 @@ from pathlib import Path
 
 import pytest
 
-from specforge.config import ConfigError, SpecForgeConfig, bfloat16_is_fast, load_config
+from specforge.config import (
+    ConfigError,
+    SpecForgeConfig,
+    bfloat16_is_fast,
+    int8_linear_available,
+    load_config,
+)
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
 
@@ -46,6 +52,18 @@ def test_auto_dtypes_resolve_to_the_faster_one_on_the_target_device(device):
     )
     assert (explicit.target.dtype, explicit.train.dtype) == ("float16", "float32")
     assert explicit.bench.draft_dtype == "float32"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_draft_quantize_auto_is_int8_for_a_fast_bfloat16_cpu_draft_only(device):
+    cfg = load_config(None, [f"target.device={device}"])
+    fits = device == "cpu" and cfg.bench.draft_dtype == "bfloat16" and bfloat16_is_fast("cpu")
+    assert cfg.bench.draft_quantize == ("int8" if fits and int8_linear_available() else "none")
+    kept = load_config(None, [f"target.device={device}", "bench.draft_quantize=none"])
+    assert kept.bench.draft_quantize == "none"
+    for bad in (["bench.draft_dtype=float32"], ["target.device=cuda"]):
+        with pytest.raises(ConfigError, match="bench.draft_quantize int8 needs"):
+            load_config(None, ["bench.draft_dtype=bfloat16", "bench.draft_quantize=int8", *bad])
 
 
 def test_dotted_overrides_win_and_are_typed(tmp_path):

@@ -317,7 +317,8 @@ class Eagle3DraftModel(nn.Module):
 
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """(B, T, 3 * Ht) target aux states -> (B, T, H) draft hidden stream."""
-        return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+        # the draft's dtype from its norm: fc may hold int8 weights (models.int8_linear)
+        return self.fc(aux_hidden_states.to(self.norm.weight.dtype))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, H) pre-norm hidden -> (B, T, draft_vocab_size) logits."""

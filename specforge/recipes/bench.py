@@ -21,6 +21,7 @@ from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.questions import ask_turns, load_questions, resolve_question_set
 from specforge.errors import UserError
 from specforge.models.adapter import text_config
+from specforge.models.int8_linear import quantize_linears
 from specforge.models.packed_linear import prepack_linears
 from specforge.models.target import load_target, load_tokenizer
 from specforge.serving.bench import BenchTally, MethodComparison, bench_report, write_report
@@ -42,28 +43,32 @@ def bench_settings(cfg: SpecForgeConfig, questions: str) -> dict[str, Any]:
     }
 
 
-def load_bench_draft(cfg: SpecForgeConfig, target, dtype: str):
+def load_bench_draft(cfg: SpecForgeConfig, target, dtype: str, quantize: str):
     """The exported draft ``cfg.bench_draft`` in ``dtype`` on the target's device, sharing
-    ``target``'s input embedding, its linear layers prepacked where the target's are."""
+    ``target``'s input embedding; its linear layers int8 for ``quantize`` ``int8``
+    (``bench.draft_quantize``, resolved), else prepacked where the target's are."""
     draft = load_exported_draft(
         cfg.bench_draft,
         target_config=target.config,
         target_embedding=target.get_input_embeddings().weight.detach().float(),
         dtype=torch_dtype(dtype),
     ).to(cfg.target.device)
-    if cfg.target.prepack_linear:
+    if quantize == "int8":
+        quantize_linears(draft)
+    elif cfg.target.prepack_linear:
         prepack_linears(draft)  # its steps are one-row calls, like the target's decoding
     return draft
 
 
 def build_comparison(cfg: SpecForgeConfig) -> tuple[MethodComparison, Any]:
-    """Load the target (in ``bench.dtype``) and the exported draft (in ``bench.draft_dtype``);
+    """Load the target (in ``bench.dtype``) and the exported draft (in ``bench.draft_dtype``,
+    its weights as ``bench.draft_quantize`` says);
     returns the comparison and the tokenizer."""
     bc = cfg.bench
     target, tokenizer = load_target(cfg.target, dtype=bc.dtype)
     decoder = SpeculativeDecoder(
         target,
-        load_bench_draft(cfg, target, bc.draft_dtype),
+        load_bench_draft(cfg, target, bc.draft_dtype, bc.draft_quantize),
         aux_layer_ids=exported_aux_layer_ids(
             cfg.bench_draft, text_config(target.config).num_hidden_layers
         ),

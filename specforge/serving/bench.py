@@ -287,7 +287,7 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         f"# Accept length: {s['questions']} ({result['turns']} turns)",
         "",
         f"target `{s['target']}` ({s['dtype']}, {s['device']}), draft `{s['draft']}` "
-        f"({s['draft_dtype']}), "
+        f"({s['draft_dtype']}{', int8 weights' if s.get('draft_quantize') == 'int8' else ''}), "
         f"num_steps={s['num_steps']}, topk={s['topk']}, num_draft_tokens={s['num_draft_tokens']},"
         f" max_new_tokens={s['max_new_tokens']}, greedy, batch size 1; the target alone decodes "
         + (

@@ -67,7 +67,10 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
     assert (out / "bench.png").stat().st_size > 1000 and "tau_sglang" in report
     # the draft's dtype (bench.draft_dtype, resolved) is recorded and shown
     draft_dtype = result["settings"]["draft_dtype"]
-    assert draft_dtype in ("bfloat16", "float32") and f"({draft_dtype})" in report
+    quantize = result["settings"]["draft_quantize"]  # resolved too: int8 or none
+    weights = ", int8 weights" if quantize == "int8" else ""
+    assert draft_dtype in ("bfloat16", "float32") and f"({draft_dtype}{weights})" in report
+    assert quantize in ("int8", "none")
     progress = capsys.readouterr().err  # a sign of life: turns done, tokens/s, running tau
     assert "bench: 100%" in progress and "3/3" in progress and "tau=" in progress
 

@@ -9,6 +9,7 @@ from scipy.stats import chisquare
 from specforge.data.generation import NUCLEUS_CANDIDATES, warp_probs
 from specforge.data.vocab import build_vocab_map
 from specforge.models.eagle3 import Eagle3Config, build_draft_model
+from specforge.models.int8_linear import int8_linear_available, quantize_linears
 from specforge.serving.sampling import accept_chain_sampling, accept_tree_sampling
 from specforge.serving.speculative import SpeculativeDecoder
 from specforge.serving.tree import DraftTree
@@ -80,7 +81,7 @@ def chi_square_p(counts, expected_probs, min_expected=5.0) -> float:
     return float(chisquare(observed, [e * scale for e in expected]).pvalue)
 
 
-@pytest.mark.slow  # 5 x 6000 speculative generations, ~4.5 minutes on 2 cores
+@pytest.mark.slow  # 6 x 6000 speculative generations, ~5.5 minutes on 2 cores
 @pytest.mark.parametrize(
     ("topk", "num_steps", "num_draft_tokens", "top_p", "draft_dtype"),
     [
@@ -89,16 +90,22 @@ def chi_square_p(counts, expected_probs, min_expected=5.0) -> float:
         (2, 2, 4, 1.0, torch.float32),
         (1, "auto", None, 1.0, torch.float32),
         (1, 2, None, 1.0, torch.bfloat16),  # bench.draft_dtype beside a float32 target
+        (1, 2, None, 1.0, "int8"),  # bench.draft_quantize: bfloat16 with int8 weights
     ],
-    ids=["chain", "chain-top-p", "tree", "chain-auto-depth", "chain-bfloat16-draft"],
+    ids=["chain", "chain-top-p", "tree", "chain-auto-depth", "chain-bfloat16-draft", "chain-int8"],
 )
 def test_speculative_sampling_matches_the_target(
     models, topk, num_steps, num_draft_tokens, top_p, draft_dtype
 ):
     target, draft = models
+    draft = copy.deepcopy(draft).to(torch.bfloat16 if draft_dtype == "int8" else draft_dtype)
+    if draft_dtype == "int8":
+        if not int8_linear_available():
+            pytest.skip("no int8 kernel in this build")
+        quantize_linears(draft)
     decoder = SpeculativeDecoder(
         target,
-        copy.deepcopy(draft).to(draft_dtype),
+        draft,
         aux_layer_ids=[1, 1, 0],
         num_steps=num_steps,
         topk=topk,

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from specforge.models.int8_linear import int8_linear_available, quantize_linears
 from specforge.models.packed_linear import prepack_linears
 from specforge.serving.speculative import SpeculativeDecoder
 from tests.helpers import StubDraft, greedy_reference, make_tiny_llama, tiny_draft
@@ -133,14 +134,19 @@ def test_tree_with_a_random_draft_is_lossless(target):
         assert tokens == reference[prompt.shape[1] :]
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_a_bfloat16_draft_beside_a_float32_target_is_lossless(target, packed):
-    """``bench.draft_dtype``: the draft may run in another dtype than the target's; chains,
-    trees and ``auto`` (with siblings) all stay the target's greedy decoding."""
+@pytest.mark.parametrize("weights", ["plain", "packed", "int8"])
+def test_a_bfloat16_draft_beside_a_float32_target_is_lossless(target, weights):
+    """``bench.draft_dtype`` and ``bench.draft_quantize``: the draft may run in another dtype
+    than the target's, with int8 weights; chains, trees and ``auto`` (with siblings) all stay
+    the target's greedy decoding."""
     _, draft = tiny_draft(seed=5)
     draft.to(torch.bfloat16)
-    if packed and prepack_linears(draft, min_weight=0) == 0:
+    if weights == "packed" and prepack_linears(draft, min_weight=0) == 0:
         pytest.skip("this CPU has no native bfloat16 for oneDNN")
+    if weights == "int8":
+        if not int8_linear_available():
+            pytest.skip("no int8 kernel in this build")
+        quantize_linears(draft)
     settings = [
         {"num_steps": 3},
         {"num_steps": 3, "topk": 3, "num_draft_tokens": 8},
