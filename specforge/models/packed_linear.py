@@ -6,12 +6,19 @@ reads and writes every weight again, so the layer costs up to ~1.8x a single row
 reorder a weight once into its blocked layout and reuse it (``torch.ops.mkldnn``, the same pair
 of ops inductor emits for frozen CPU graphs). Measured on a 2-core AVX2 CPU with SmolLM2's
 float32 target after a 300-token prefill: one token 54 -> 48 ms, 2 tokens 89 -> 51, 3 117 -> 55,
-8 86 -> 63. From about 64 rows on, MKL is as fast or faster (prefills, training, batched
-regeneration), so those keep PyTorch's default.
+8 86 -> 63. From about 64 rows on, MKL is as fast or faster there (prefills, training, batched
+regeneration), so those keep PyTorch's default. On a CPU with AVX-512 the packed path stays
+faster at every size timed (a 2-core Zen 4 EPYC: SmolLM2's 576-to-1536 linear 10-49% faster at
+48-2048 rows, its prefill of 60 tokens 166 -> 123 ms, of 150 315 -> 242), so float32 calls of
+up to :data:`MAX_PACKED_ROWS_AVX512` rows take it there (:func:`max_packed_rows`).
 
 A row's result does not depend on how many rows share the call (a property the tests check),
 which the default does not have (MKL's one-row path rounds differently from its matrix path).
-The results agree with the default to float32 rounding.
+oneDNN too runs some one-row calls with another kernel (on that Zen 4, every layer with 1152 or
+more inputs: SmolLM2's ``down_proj``, in float32 and bfloat16), whose sums round differently;
+such a layer, found by comparing one probe row alone and beside another when it is packed,
+computes a one-row call as two rows (~1 us more) so that a token decoded alone gets the bits
+it gets inside a verification. The results agree with the default to float32 rounding.
 
 bfloat16 takes the same path where oneDNN runs it natively (AVX512-BF16 or AMX, as
 ``torch.ops.mkldnn._is_mkldnn_bf16_supported`` reports): on a 2-core Zen 4 EPYC (AVX512-BF16, no
@@ -38,8 +45,11 @@ import torch.nn.functional as F
 from torch import nn
 
 MAX_PACKED_ROWS = 32
-"""float32 calls with more rows than this use PyTorch's default (MKL is as fast from ~64 rows
-on)."""
+"""float32 calls with more rows than this use PyTorch's default on CPUs without AVX-512 (MKL
+is as fast from ~64 rows on there)."""
+
+MAX_PACKED_ROWS_AVX512 = 2048
+"""float32 calls with more rows than this use PyTorch's default on CPUs with AVX-512."""
 
 MAX_PACKED_ROWS_BF16 = 2048
 """bfloat16 calls with more rows than this use PyTorch's default. PyTorch's bfloat16 linear
@@ -67,6 +77,28 @@ def packed_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if native else (torch.float32,)
 
 
+def max_packed_rows(dtype: torch.dtype) -> int:
+    """The most rows :func:`prepack_linears` packs a call of in ``dtype`` on this CPU."""
+    if dtype == torch.bfloat16:
+        return MAX_PACKED_ROWS_BF16
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return MAX_PACKED_ROWS_AVX512 if avx512 else MAX_PACKED_ROWS
+
+
+def _linear_packed(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
+    # (..., in_features) -> (..., out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _one_row_rounds_apart(packed: torch.Tensor, bias, in_features: int, dtype) -> bool:
+    """Whether oneDNN computes a one-row call of ``packed`` with another kernel than a call of
+    several rows (a probe row's result alone differs from its result beside another)."""
+    probe = torch.randn(2, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    return not torch.equal(
+        _linear_packed(probe[:1], packed, bias), _linear_packed(probe, packed, bias)[:1]
+    )
+
+
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose small CPU calls (float32; bfloat16 where native) use a
     once-reordered weight (see the module docstring). Built by :meth:`wrap` around an existing
@@ -75,6 +107,8 @@ class PackedLinear(nn.Linear):
     max_rows: int
     _packed: torch.Tensor | None
     _packed_from: tuple | None
+    _pad_one_row: bool
+    """A one-row call runs as two rows (:func:`_one_row_rounds_apart` when packed)."""
 
     @classmethod
     def wrap(cls, linear: nn.Linear, *, max_rows: int = MAX_PACKED_ROWS) -> PackedLinear:
@@ -84,6 +118,7 @@ class PackedLinear(nn.Linear):
         module.in_features, module.out_features = linear.in_features, linear.out_features
         module.weight, module.bias = linear.weight, linear.bias
         module.max_rows, module._packed, module._packed_from = max_rows, None, None
+        module._pad_one_row = False
         module.train(linear.training)
         return module
 
@@ -110,13 +145,19 @@ class PackedLinear(nn.Linear):
         if not self._usable(x):
             return F.linear(x, self.weight, self.bias)
         key = self._weight_key()
+        bias = None if self.bias is None else self.bias.detach()
         if self._packed_from != key:
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 4)
+                self._pad_one_row = _one_row_rounds_apart(
+                    self._packed, bias, self.in_features, self.weight.dtype
+                )
             self._packed_from = key
-        bias = None if self.bias is None else self.bias.detach()
-        # (..., in_features) -> (..., out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        if self._pad_one_row and x.numel() == self.in_features:
+            # (..., 1, in) -> (2, in) -> first row (..., 1, out): a many-row call's bits
+            twice = x.reshape(1, -1).expand(2, -1).contiguous()
+            return _linear_packed(twice, self._packed, bias)[:1].reshape(*x.shape[:-1], -1)
+        return _linear_packed(x, self._packed, bias)
 
 
 def prepack_linears(
@@ -125,14 +166,14 @@ def prepack_linears(
     """Swap every ``nn.Linear`` of a CPU ``model`` in a dtype of :func:`packed_dtypes` whose
     weight has at least ``min_weight`` elements for a :class:`PackedLinear` sharing its
     parameters (nothing is packed until a call uses it), packing calls of up to ``max_rows``
-    rows (default: :data:`MAX_PACKED_ROWS` in float32, :data:`MAX_PACKED_ROWS_BF16` in
-    bfloat16). Returns how many were swapped: 0 for a model on another device or in another
-    dtype, or where this build lacks oneDNN."""
+    rows (default: :func:`max_packed_rows` of the model's dtype). Returns how many were
+    swapped: 0 for a model on another device or in another dtype, or where this build lacks
+    oneDNN."""
     weight = next(model.parameters(), None)
     if weight is None or weight.device.type != "cpu" or weight.dtype not in packed_dtypes():
         return 0
     if max_rows is None:
-        max_rows = MAX_PACKED_ROWS_BF16 if weight.dtype == torch.bfloat16 else MAX_PACKED_ROWS
+        max_rows = max_packed_rows(weight.dtype)
     swaps = [
         (parent, name, child)
         for parent in model.modules()

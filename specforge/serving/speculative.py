@@ -53,6 +53,7 @@ from specforge.serving.tree import (
     accept_greedy,
     build_tree,
     fan_tree,
+    row_argmax,
     tree_attention,
     verification_inputs,
 )
@@ -363,10 +364,12 @@ class SpeculativeDecoder:
     def accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
         """3. Greedy acceptance: the number ``a`` of leading draft tokens equal to the target's
         argmax, and the target's token after them (the bonus)."""
-        predicted = target_logits.argmax(-1)  # (K + 1,)
-        matches = (predicted[:-1] == draft_tokens).int()
-        accepted = int(matches.cumprod(0).sum())
-        return accepted, int(predicted[accepted])
+        predicted, accepted = row_argmax(target_logits), 0  # rows 0 .. K
+        for token in draft_tokens.tolist():
+            if predicted(accepted) != token:
+                break
+            accepted += 1
+        return accepted, predicted(accepted)
 
     def _clock(self) -> float:
         """Wall time, after the device's queued work (so phases are timed on CUDA too)."""

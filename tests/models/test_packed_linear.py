@@ -11,6 +11,7 @@ from specforge.models.packed_linear import (
     MAX_PACKED_ROWS_BF16,
     PackedLinear,
     default_linears,
+    max_packed_rows,
     packed_dtypes,
     packed_linear_available,
     prepack_linears,
@@ -41,6 +42,33 @@ def test_agrees_with_the_default_and_a_row_does_not_depend_on_the_others(bias):
         # leading dimensions as the models pass them: (B, T, H)
         assert torch.equal(module(x[None, :4]), whole[None, :4])
     assert module._packed is not None  # the packed path ran
+
+
+def test_a_one_row_call_has_a_many_row_calls_bits_for_wide_inputs_too():
+    """oneDNN runs some one-row calls with another kernel (on an AVX-512 CPU: 1152 or more
+    inputs, as SmolLM2's down_proj), which rounds differently: a token decoded alone must get
+    the bits it gets inside a verification of several tokens."""
+    dtypes = [torch.float32] + [torch.bfloat16] * (torch.bfloat16 in packed_dtypes())
+    for dtype in dtypes:
+        for in_features in (96, 1536):
+            linear, module = packed(in_features, 64)
+            linear.to(dtype)
+            x = torch.randn(3, 1, in_features, dtype=dtype)
+            with torch.no_grad():
+                whole = module(x[:, 0])
+                for row in range(3):
+                    assert torch.equal(module(x[row]), whole[row : row + 1])  # (1, in)
+                    assert torch.equal(module(x[row, 0]), whole[row])  # (in,)
+                torch.testing.assert_close(module(x[0]), linear(x[0]))
+
+
+def test_prepack_packs_as_many_rows_as_pay_on_this_cpu():
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    assert max_packed_rows(torch.float32) == (2048 if avx512 else MAX_PACKED_ROWS)
+    assert max_packed_rows(torch.bfloat16) == MAX_PACKED_ROWS_BF16
+    model = nn.Sequential(nn.Linear(96, 160))
+    assert prepack_linears(model, min_weight=0) == 1
+    assert model[0].max_rows == max_packed_rows(torch.float32)
 
 
 needs_native_bf16 = pytest.mark.skipif(

@@ -215,8 +215,22 @@ def test_fan_tree_puts_the_siblings_beside_the_first_chain_token():
     from specforge.serving.tree import fan_tree
 
     tree = fan_tree(torch.tensor([10, 11, 12]), torch.tensor([20, 21]))
-    assert tree.tokens.tolist() == [10, 20, 21, 11, 12]
-    assert tree.parents.tolist() == [-1, -1, -1, 0, 3]
-    assert tree.depths.tolist() == [1, 1, 1, 2, 3]
+    assert tree.tokens.tolist() == [10, 11, 12, 20, 21]  # the chain first: its rows stay put
+    assert tree.parents.tolist() == [-1, 0, 1, -1, -1]
+    assert tree.depths.tolist() == [1, 2, 3, 1, 1]
     single = fan_tree(torch.tensor([10]), torch.tensor([20]))
     assert single.parents.tolist() == [-1, -1] and single.depths.tolist() == [1, 1]
+
+
+def test_pruned_tree_puts_the_greedy_chain_first_and_parents_before_children():
+    from specforge.serving.tree import prune
+
+    # node: parent, depth, cumulative log-probability
+    parents = [-1, -1, 0, 0, 1, 2]
+    depths = [1, 1, 2, 2, 2, 3]
+    scores = [-0.1, -1.0, -0.3, -2.0, -1.2, -0.5]
+    tree = prune(list(range(100, 106)), parents, depths, scores, 5, torch.device("cpu"))
+    # kept: the five best (node 3 dropped), depth first with each node's best child first
+    assert tree.tokens.tolist() == [100, 102, 105, 101, 104]
+    assert tree.parents.tolist() == [-1, 0, 1, -1, 3]
+    assert tree.depths.tolist() == [1, 2, 3, 1, 2]
