@@ -9,17 +9,20 @@ Stages, in order of what a short lease should get first:
 
 1. ``adaptive``: ``benchmarks/adaptive_depth.py`` on CUDA, fixed chain depths 1-7 and ``auto``
    (the runtime issue's table; ``--limit`` questions);
-2. ``regeneration``: ``benchmarks/prepare_stages.py --device cuda --compare-row-spans``: the
+2. ``decode step``: ``benchmarks/decode_step.py`` on CUDA, one decode step of continuous
+   batching at 1-1024 rows, with the profiler's table at 256;
+3. ``regeneration``: ``benchmarks/prepare_stages.py --device cuda --compare-row-spans``: the
    earlier static batches, ours, continuous batching (one attention span on a GPU) and
    continuous batching with the CPU's 16-row spans;
-3. ``train bN``: ``benchmarks/train_throughput.py`` of the long recipe on CUDA, batch 1 (the
+4. ``train bN``: ``benchmarks/train_throughput.py`` of the long recipe on CUDA, batch 1 (the
    recipe's) and 4, on ``--data`` (prepared conversations);
-4. ``long recipe`` (with ``--quickstart-minutes``): ``specforge quickstart`` of the long recipe on
-   CUDA within that budget, 256 prompts written and answered at a time: each stage's tokens/s
+5. ``long recipe`` (with ``--quickstart-minutes``): ``specforge quickstart`` of the long recipe on
+   CUDA within that budget, 1024 prompts written and answered at a time (a decode step there
+   costs about the same at 256 rows and at 1024), 1000 more a round: each stage's tokens/s
    (``conversations.stats.json``, ``metrics.jsonl``) and the resulting MT-Bench ``tau``.
 
 A stage that fails or runs out of time is recorded and the next one runs. Stages without their
-input (no ``--draft`` for 1, no ``--data`` for 3) are skipped.
+input (no ``--draft`` for 1, no ``--data`` for 4) are skipped.
 """
 
 from __future__ import annotations
@@ -50,6 +53,15 @@ def stages(args) -> list[tuple[str, list[str], float]]:
                 args.seconds[0],
             )
         )
+    runs.append(
+        (
+            "decode step",
+            [py, "benchmarks/decode_step.py", "--device", args.device, "--profile", "256"]
+            + ["--batch-sizes", "1", "64", "256", "1024"]
+            + ["--output", str(out / "decode_step.json")],
+            args.seconds[1],
+        )
+    )
     rows = str(args.regenerate_prompts)
     runs.append(
         (
@@ -79,7 +91,8 @@ def stages(args) -> list[tuple[str, list[str], float]]:
                 [py, "-m", "specforge.cli", "quickstart", "--config", args.recipe]
                 + ["--output", str(out / "long"), "--questions", args.questions]
                 + ["--minutes", str(args.quickstart_minutes), f"target.device={args.device}"]
-                + ["synthesize.batch_size=256", "regenerate.batch_size=256"]
+                + ["synthesize.batch_size=1024", "regenerate.batch_size=1024"]
+                + ["quickstart.synthesize_step=1000", "train.batch_size=4"]
                 + [f"bench.limit={args.limit}"],
                 # the budget, plus loading and the bench's own estimate's slack
                 60 * args.quickstart_minutes * 1.2 + 60,
@@ -92,7 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", help="an export directory (stage 1)")
     parser.add_argument("--questions", default="builtin-eval")
-    parser.add_argument("--limit", type=int, default=5, help="questions for stages 1 and 4")
+    parser.add_argument("--limit", type=int, default=5, help="questions for stages 1 and 5")
     parser.add_argument("--data", help="prepared conversations (stage 3)")
     parser.add_argument("--recipe", default="configs/smollm2-135m-eagle3-long.yaml")
     parser.add_argument("--regenerate-prompts", type=int, default=128)
@@ -102,9 +115,9 @@ def main() -> None:
         nargs=3,
         default=[300, 300, 120],
         metavar=("ADAPTIVE", "REGENERATION", "TRAIN"),
-        help="time allowed for stages 1, 2 and each run of 3",
+        help="time allowed for stage 1, each of 2 and 3, and each run of 4",
     )
-    parser.add_argument("--quickstart-minutes", type=float, default=0, help="0: no stage 4")
+    parser.add_argument("--quickstart-minutes", type=float, default=0, help="0: no stage 5")
     parser.add_argument("--device", default="cuda", help="where the target runs")
     parser.add_argument("--output", default="outputs/cuda")
     args = parser.parse_args()

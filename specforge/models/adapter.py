@@ -151,6 +151,9 @@ def norm_scale(norm: nn.Module, width: int, params: dict[str, torch.Tensor] | No
             probe, x = probe.to(weight.device), x.to(weight.device, weight.dtype)
         out = norm(x).float()
     else:
+        weight = next(iter(state.values()), None)
+        if weight is not None:  # the probe where the given tensors are
+            probe, x = probe.to(weight.device), x.to(weight.device)
         out = torch.func.functional_call(norm, state, (x,)).float()
     normalised = probe / probe.pow(2).mean().sqrt()
     return (out[0] - out[1]) / 2 / normalised

@@ -59,6 +59,17 @@ def test_norm_scale_probes_where_the_norm_is(tmp_path):
     assert scale.device.type == "meta" and scale.shape == norm.weight.shape
 
 
+def test_norm_scale_probes_where_the_given_tensors_are(tmp_path):
+    """The decoder layer's norms are measured from tensors passed by name (the draft's
+    initialisation from the target's last layer): on CUDA the probe stayed on the CPU and online
+    training failed at start-up. The meta device stands in for a GPU."""
+    model, _ = tiny("llama", tmp_path)
+    norm = find_decoder(model)[0].layers[-1].input_layernorm
+    params = {"weight": norm.weight.detach().to("meta")}
+    scale = norm_scale(norm, norm.weight.shape[0], params)
+    assert scale.device.type == "meta" and scale.shape == norm.weight.shape
+
+
 def test_norm_without_weights_scales_by_one(tmp_path):
     model, _ = tiny("olmo", tmp_path)  # OLMo's LayerNorm has no parameters
     torch.testing.assert_close(target_head(model).norm, torch.ones(64), atol=1e-4, rtol=0)

@@ -8,6 +8,7 @@ from torch import nn
 
 from specforge.models.packed_linear import (
     MAX_PACKED_ROWS,
+    MAX_PACKED_ROWS_AVX512,
     MAX_PACKED_ROWS_BF16,
     PackedLinear,
     default_linears,
@@ -64,7 +65,7 @@ def test_a_one_row_call_has_a_many_row_calls_bits_for_wide_inputs_too():
 
 def test_prepack_packs_as_many_rows_as_pay_on_this_cpu():
     avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    assert max_packed_rows(torch.float32) == (2048 if avx512 else MAX_PACKED_ROWS)
+    assert max_packed_rows(torch.float32) == (MAX_PACKED_ROWS_AVX512 if avx512 else MAX_PACKED_ROWS)
     assert max_packed_rows(torch.bfloat16) == MAX_PACKED_ROWS_BF16
     model = nn.Sequential(nn.Linear(96, 160))
     assert prepack_linears(model, min_weight=0) == 1

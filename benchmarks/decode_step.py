@@ -1,0 +1,124 @@
+"""What one decode step of self-distillation costs at each batch size: the continuous batcher
+(``regenerate.backend: continuous``) on the embedded default, every row decoding to the end.
+
+    python benchmarks/decode_step.py --device cuda --batch-sizes 1 64 256 1024 \\
+        --output outputs/bench/decode_step.json
+
+For each batch size B: B built-in prompts (repeated when B is larger than the split) are
+answered twice with no end-of-turn ids, so every row runs its whole length: once for
+``--warm-up`` tokens and once for ``--warm-up + --steps``. The difference over the extra decode
+steps is the cost of a decode step at that batch (prefill and joining cancel out); its tokens/s
+is B over that (each batch size runs once untimed first: a CPU library picks its kernels per
+shape on first use). It says how large ``regenerate.batch_size`` should be on a device: where the
+step's time stays flat as B grows, the step is bound by launches or host work, not the model's
+arithmetic. ``--profile B`` prints PyTorch's profiler table of the extra steps at that batch.
+Run it alone on a CPU: a second CPU-heavy process slows PyTorch many times over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+from specforge.config import TargetConfig
+from specforge.data.chat import pad_id_of, prompt_ids
+from specforge.data.generation import ContinuousBatcher, GenerationSettings, Request
+from specforge.data.prompts import builtin_conversations
+from specforge.io import write_json_atomic
+from specforge.models.target import load_target
+
+
+def answer(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> tuple[float, int]:
+    """Seconds and decode steps for every prompt answered with exactly ``new_tokens`` tokens."""
+    settings = GenerationSettings(
+        max_new_tokens=new_tokens, eos_ids=[], pad_id=pad_id, max_batch_size=len(prompts)
+    )
+    batcher = ContinuousBatcher(model, settings)
+    requests = [Request(key=i, prompt=p) for i, p in enumerate(prompts)]
+    sync(model)
+    start = time.perf_counter()
+    for _ in batcher.run(requests):
+        pass
+    sync(model)
+    return time.perf_counter() - start, batcher.steps
+
+
+def sync(model) -> None:
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def print_profile(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> None:
+    """PyTorch's profiler tables of one :func:`answer` run: host time by operator, and on a
+    GPU its own time by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = next(model.parameters()).device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        answer(model, prompts, new_tokens, pad_id)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    if cuda:
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--warm-up", type=int, default=8, help="tokens of the shorter run")
+    parser.add_argument("--steps", type=int, default=32, help="extra decode steps timed")
+    parser.add_argument("--profile", type=int, default=0, help="a batch size to profile")
+    parser.add_argument("--output", default="outputs/bench/decode_step.json")
+    args = parser.parse_args()
+
+    target = TargetConfig(name_or_path=args.target, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_target(target)
+    pad = pad_id_of(tokenizer, model.generation_config)
+    split = [
+        prompt_ids(tokenizer, [{"role": "user", "content": c.messages[0]["content"]}])
+        for c in builtin_conversations("train")
+    ]
+    answer(model, split[:2], args.warm_up, pad)  # lazy initialisation, kernels chosen
+    rows = []
+    for batch in args.batch_sizes:
+        prompts = [split[i % len(split)] for i in range(batch)]
+        answer(model, prompts, args.warm_up, pad)  # this batch's shapes: kernels chosen
+        short, short_steps = answer(model, prompts, args.warm_up, pad)
+        long, long_steps = answer(model, prompts, args.warm_up + args.steps, pad)
+        step = (long - short) / (long_steps - short_steps)
+        rows.append(
+            {
+                "batch": batch,
+                "mean_prompt_tokens": round(sum(map(len, prompts)) / batch, 1),
+                "step_ms": round(1000 * step, 2),
+                "tokens_per_s": round(batch / step, 1),
+            }
+        )
+        print(
+            f"batch {batch:5d}: {1000 * step:8.2f} ms a decode step, {batch / step:9.1f} tokens/s",
+            flush=True,
+        )
+        if batch == args.profile:
+            print_profile(model, prompts, args.warm_up + args.steps, pad)
+    cuda = next(model.parameters()).device.type == "cuda"
+    device = torch.cuda.get_device_name() if cuda else platform.processor()
+    report = {
+        "device": f"{args.device} ({device}), torch {torch.__version__}",
+        "dtype": args.dtype,
+        "warm_up_tokens": args.warm_up,
+        "timed_steps": args.steps,
+        "rows": rows,
+    }
+    write_json_atomic(args.output, report)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
