@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--draft", help="an export directory (stage 1)")
     parser.add_argument("--questions", default="builtin-eval")
     parser.add_argument("--limit", type=int, default=5, help="questions for stages 1 and 5")
-    parser.add_argument("--data", help="prepared conversations (stage 3)")
+    parser.add_argument("--data", help="prepared conversations (stage 4)")
     parser.add_argument("--recipe", default="configs/smollm2-135m-eagle3-long.yaml")
     parser.add_argument("--regenerate-prompts", type=int, default=128)
     parser.add_argument(

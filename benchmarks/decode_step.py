@@ -11,13 +11,15 @@ steps is the cost of a decode step at that batch (prefill and joining cancel out
 is B over that (each batch size runs once untimed first: a CPU library picks its kernels per
 shape on first use). It says how large ``regenerate.batch_size`` should be on a device: where the
 step's time stays flat as B grows, the step is bound by launches or host work, not the model's
-arithmetic. ``--profile B`` prints PyTorch's profiler table of the extra steps at that batch.
-Run it alone on a CPU: a second CPU-heavy process slows PyTorch many times over.
+arithmetic. ``--profile B`` prints PyTorch's profiler tables of one more whole run at that
+batch (prefill included). Run it alone on a CPU: a second CPU-heavy process slows PyTorch many
+times over.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
 
@@ -108,9 +110,9 @@ def main() -> None:
         if batch == args.profile:
             print_profile(model, prompts, args.warm_up + args.steps, pad)
     cuda = next(model.parameters()).device.type == "cuda"
-    device = torch.cuda.get_device_name() if cuda else platform.processor()
+    device = torch.cuda.get_device_name() if cuda else platform.machine()
     report = {
-        "device": f"{args.device} ({device}), torch {torch.__version__}",
+        "device": f"{args.device} ({device}), {os.cpu_count()} cores, torch {torch.__version__}",
         "dtype": args.dtype,
         "warm_up_tokens": args.warm_up,
         "timed_steps": args.steps,
