@@ -8,7 +8,10 @@ each stage a subprocess with its own time limit, its log beside a summary JSON.
 Stages, in order of what a short lease should get first:
 
 1. ``adaptive``: ``benchmarks/adaptive_depth.py`` on CUDA, fixed chain depths 1-7 and ``auto``
-   (the runtime issue's table; ``--limit`` questions);
+   (the runtime issue's table; ``--limit`` questions); then ``round profile`` and ``round
+   profile without cudnn``: a chain of 5 on the first question under PyTorch's profiler, with every
+   attention kernel and without cuDNN's (on an H100 a bf16 draft step took 15 ms in a bench
+   round against 1.5 ms expected);
 2. ``decode step``: ``benchmarks/decode_step.py`` on CUDA, one decode step of continuous
    batching at 1-1024 rows, with the profiler's table at 256;
 3. ``regeneration``: ``benchmarks/prepare_stages.py --device cuda --compare-row-spans``: the
@@ -53,6 +56,18 @@ def stages(args) -> list[tuple[str, list[str], float]]:
                 args.seconds[0],
             )
         )
+        for name, kernels in (("", []), (" without cudnn", ["flash", "efficient", "math"])):
+            runs.append(
+                (
+                    f"round profile{name}",
+                    [py, "benchmarks/adaptive_depth.py", "--draft", args.draft, "--profile"]
+                    + ["--questions", args.questions, "--limit", "1", "--settings", "5"]
+                    + (["--sdpa-backends", *kernels] if kernels else [])
+                    + ["--output", str(out / f"round_profile{len(kernels)}.json")]
+                    + [f"target.device={args.device}"],
+                    args.seconds[0],
+                )
+            )
     runs.append(
         (
             "decode step",

@@ -22,6 +22,8 @@ import argparse
 import os
 import platform
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -54,15 +56,16 @@ def sync(model) -> None:
         torch.cuda.synchronize(device)
 
 
-def print_profile(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> None:
-    """PyTorch's profiler tables of one :func:`answer` run: host time by operator, and on a
-    GPU its own time by kernel."""
+@contextmanager
+def profiled(device: torch.device) -> Iterator[None]:
+    """Prints PyTorch's profiler tables of the block: host time by operator, and on a GPU its
+    own time by kernel."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = next(model.parameters()).device.type == "cuda"
+    cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        answer(model, prompts, new_tokens, pad_id)
+        yield
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     if cuda:
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
@@ -108,7 +111,8 @@ def main() -> None:
             flush=True,
         )
         if batch == args.profile:
-            print_profile(model, prompts, args.warm_up + args.steps, pad)
+            with profiled(next(model.parameters()).device):
+                answer(model, prompts, args.warm_up + args.steps, pad)
     cuda = next(model.parameters()).device.type == "cuda"
     device = torch.cuda.get_device_name() if cuda else platform.machine()
     report = {
