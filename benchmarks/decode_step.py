@@ -82,6 +82,11 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, help="a batch size to profile")
     parser.add_argument("--output", default="outputs/bench/decode_step.json")
     args = parser.parse_args()
+    for name in ("warm_up", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if min(args.batch_sizes) < 1:
+        parser.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
 
     target = TargetConfig(name_or_path=args.target, device=args.device, dtype=args.dtype)
     model, tokenizer = load_target(target)
