@@ -145,15 +145,12 @@ def norm_scale(norm: nn.Module, width: int, params: dict[str, torch.Tensor] | No
     probe *= 100.0
     state = {k: v.float() for k, v in params.items()} if params is not None else None
     x = torch.stack([probe, -probe])
+    weight = next(norm.parameters() if state is None else iter(state.values()), None)
+    if weight is not None:  # the probe where the norm's tensors are (a target on a GPU)
+        probe, x = probe.to(weight.device), x.to(weight.device, weight.dtype)
     if state is None:
-        weight = next(norm.parameters(), None)
-        if weight is not None:  # the probe where the norm is (a target on a GPU)
-            probe, x = probe.to(weight.device), x.to(weight.device, weight.dtype)
         out = norm(x).float()
     else:
-        weight = next(iter(state.values()), None)
-        if weight is not None:  # the probe where the given tensors are
-            probe, x = probe.to(weight.device), x.to(weight.device)
         out = torch.func.functional_call(norm, state, (x,)).float()
     normalised = probe / probe.pow(2).mean().sqrt()
     return (out[0] - out[1]) / 2 / normalised
