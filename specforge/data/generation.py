@@ -5,8 +5,9 @@ Why not ``model.generate`` on fixed batches: a fixed batch runs until its longes
 so finished rows keep costing compute, and an HF ``DynamicCache`` copies the whole cache at
 every step (``torch.cat``). Here:
 
-1. **join**: waiting prompts (longest first, so lengths in a batch stay close) are prefilled
-   together, left-padded, and their keys/values merged into the running cache;
+1. **join**: waiting prompts (by :attr:`Request.priority`, then longest first, so lengths in a
+   batch stay close) are prefilled in groups of close lengths, left-padded, and their
+   keys/values merged into the running cache;
 2. **step**: one forward over the last token of every row (explicit positions, a padding mask);
 3. **leave**: a row that emitted an end-of-turn id or reached ``max_new_tokens`` is done. Its
    slot is reclaimed when enough rows are done (or new prompts wait), in one compaction that
@@ -33,6 +34,7 @@ from transformers.cache_utils import Cache
 
 from specforge.data.chat import left_padded
 from specforge.data.kv_cache import (
+    GrowingKVLayer,
     RowSpan,
     attention_row_spans,
     cache_kwargs,
@@ -72,6 +74,45 @@ def _keep_nucleus(probs, values, order, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, values)
 
 
+PREFILL_PADDING = 0.25
+"""A prefill group's padding may add at most this share to its real prompt tokens
+(:func:`prefill_groups`)."""
+
+
+def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list[range]:
+    """Consecutive groups of prompts, by index, to prefill in one forward each: a group grows
+    while left-padding its prompts to its longest adds at most ``padding`` of their real tokens.
+    One forward over all joining prompts would pad every one to the longest: a follow-up turn
+    that carries a 300-token answer beside 50-token first turns makes the prefill mostly
+    padding."""
+    groups, start, longest, real = [], 0, 0, 0
+    for index, length in enumerate(lengths):
+        longest, real = max(longest, length), real + length
+        if index > start and longest * (index + 1 - start) > (1 + padding) * real:
+            groups.append(range(start, index))
+            start, longest, real = index, length, length
+    if lengths:
+        groups.append(range(start, len(lengths)))
+    return groups
+
+
+def _right_aligned(parts: list[torch.Tensor], width: int) -> torch.Tensor:
+    """(B_i, H, S_i, D) keys or values stacked into one (sum of B_i, H, width + spare, D)
+    buffer of a :class:`~specforge.data.kv_cache.GrowingKVLayer`, each part ending at column
+    ``width`` (left-padded with zeros): the running batch's and the joining rows' caches in one
+    copy."""
+    first = parts[0]
+    capacity = width + GrowingKVLayer.SPARE
+    buffer = first.new_empty(sum(len(p) for p in parts), first.shape[1], capacity, first.shape[3])
+    row = 0
+    for part in parts:
+        rows, pad = slice(row, row + len(part)), width - part.shape[2]
+        buffer[rows, :, :pad] = 0
+        buffer[rows, :, pad:width] = part
+        row += len(part)
+    return buffer
+
+
 def _pad_left(tensor: torch.Tensor, columns: int, dim: int) -> torch.Tensor:
     if columns == 0:
         return tensor
@@ -90,6 +131,11 @@ class Request:
     """Token ids, ending with the generation prompt."""
     seed: int = 0
     """Seed of this request's sampling generator (unused when greedy)."""
+    priority: int = 0
+    """Waiting requests join in order of priority, then of prompt length (both highest first).
+    A conversation's turns run one after another, so regeneration gives each turn the count
+    of turns that follow it: the batch does not drain slowly at the end around the late
+    second turns of conversations that started late."""
 
 
 @dataclass
@@ -111,9 +157,12 @@ class GenerationSettings:
     max_batch_size: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
-    reclaim_fraction: float = 0.25
+    reclaim_fraction: float = 0.125
     """Finished rows stay (ignored) until this share of the batch is finished or prompts wait
-    for a slot; then one compaction reclaims them."""
+    for a slot; then one compaction reclaims them. Waiting prompts join when this share of
+    the batch is free. Each compaction and join copies the whole cache once; on a 2-core CPU
+    (400 prompts, 128 in flight, bf16) an eighth ran 121 rows a step where a quarter ran 113,
+    for 2.5% more tokens/s."""
     rows_per_span: int | None = None
     """Decode attention runs over spans of this many consecutive rows, each reading only the
     key columns its longest row fills (:func:`~specforge.data.kv_cache.attention_row_spans`).
@@ -172,7 +221,7 @@ class ContinuousBatcher:
             free = self.settings.max_batch_size - live
             if pending and free > 0 and (free >= self._join_size() or live == 0):
                 self._compact(batch)
-                pending.sort(key=lambda r: len(r.prompt))
+                pending.sort(key=lambda r: (r.priority, len(r.prompt)))
                 joining = [pending.pop() for _ in range(min(free, len(pending)))]
                 self._join(batch, joining)
             elif live == 0:
@@ -198,40 +247,46 @@ class ContinuousBatcher:
         return torch.cat(drawn)
 
     def _join(self, batch: _Batch, joining: list[Request]) -> None:
-        """Prefill ``joining`` and merge its cache into the batch's (both left-padded to one
-        width)."""
-        inputs = left_padded([r.prompt for r in joining], self.settings.pad_id)
+        """Prefill ``joining`` in groups of close lengths (:func:`prefill_groups`) and merge
+        their caches into the batch's, all left-padded to one width."""
+        parts = [] if batch.cache is None else [(batch.cache, batch.mask)]
+        positions = [] if batch.positions is None else [batch.positions]
+        for group in prefill_groups([len(r.prompt) for r in joining]):
+            requests = joining[group.start : group.stop]
+            cache, mask, first, generators = self._prefill(requests)
+            batch.requests += requests
+            batch.tokens += [[t] for t in first]
+            batch.finished += [False] * len(requests)
+            batch.generators += generators
+            parts.append((cache, mask))
+            positions.append(mask.sum(-1))
+        width = max(mask.shape[1] for _, mask in parts)
+        if len(parts) > 1:
+            for layers in zip(*(cache.layers for cache, _ in parts), strict=True):
+                keys = _right_aligned([layer.keys for layer in layers], width)
+                values = _right_aligned([layer.values for layer in layers], width)
+                layers[0].adopt(keys, values, width)
+        batch.cache = parts[0][0]
+        batch.mask = torch.cat([_pad_left(mask, width - mask.shape[1], 1) for _, mask in parts])
+        batch.positions = torch.cat(positions)
+
+    def _prefill(self, requests: list[Request]):
+        """One forward over ``requests``' prompts, left-padded: their cache, mask (B, S), first
+        generated ids and sampling generators."""
+        inputs = left_padded([r.prompt for r in requests], self.settings.pad_id)
         mask = inputs["attention_mask"].to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = growing_cache()
         out = self.model(
             input_ids=inputs["input_ids"].to(self.device),
             attention_mask=mask,
-            position_ids=positions,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
             use_cache=True,
             **cache_kwargs(self.model, cache),
             logits_to_keep=1,
         )
-        generators = [self._generator(r) for r in joining]
+        generators = [self._generator(r) for r in requests]
         first = self._next_tokens(out.logits[:, -1], generators).tolist()
-        batch.requests += joining
-        batch.tokens += [[t] for t in first]
-        batch.finished += [False] * len(joining)
-        batch.generators += generators
-        if batch.cache is None:
-            batch.cache, batch.mask, batch.positions = cache, mask, mask.sum(-1)
-            return
-        width = max(batch.mask.shape[1], mask.shape[1])
-        old_pad, new_pad = width - batch.mask.shape[1], width - mask.shape[1]
-        for old, new in zip(batch.cache.layers, cache.layers, strict=True):
-            # (B_old, H, S_old, D) + (B_new, H, S_new, D) -> (B_old + B_new, H, width, D)
-            keys = torch.cat([_pad_left(old.keys, old_pad, 2), _pad_left(new.keys, new_pad, 2)])
-            values = torch.cat(
-                [_pad_left(old.values, old_pad, 2), _pad_left(new.values, new_pad, 2)]
-            )
-            old.replace(keys, values)
-        batch.mask = torch.cat([_pad_left(batch.mask, old_pad, 1), _pad_left(mask, new_pad, 1)])
-        batch.positions = torch.cat([batch.positions, mask.sum(-1)])
+        return cache, mask, first, generators
 
     def _generator(self, request: Request) -> torch.Generator | None:
         if self.settings.temperature <= 0:
@@ -296,6 +351,7 @@ class ContinuousBatcher:
         index = torch.tensor(keep, device=self.device)
         mask = batch.mask[index]
         start = int(mask.any(0).nonzero()[0])
-        for layer in batch.cache.layers:
-            layer.replace(layer.keys[index, :, start:], layer.values[index, :, start:])
+        for layer in batch.cache.layers:  # the kept rows' buffers, copied once
+            keys, values = layer.key_buffer[index, :, start:], layer.value_buffer[index, :, start:]
+            layer.adopt(keys, values, layer.length - start)
         batch.mask, batch.positions = mask[:, start:], batch.positions[index]

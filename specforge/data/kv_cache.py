@@ -71,11 +71,12 @@ class GrowingKVLayer(DynamicLayer):
             values[:, :, : self.length] = self.value_buffer[:, :, : self.length]
         self.key_buffer, self.value_buffer = keys, values
 
-    def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Start over from ``keys``/``values`` (B, H, S, D) (after a compaction or a join)."""
-        self.key_buffer = self.value_buffer = None
-        self.length = 0
-        self.update(keys, values)
+    def adopt(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> None:
+        """Continue from buffers (B, H, capacity, D) whose first ``length`` columns hold the
+        cached positions (after a compaction or a join), without copying them."""
+        self.key_buffer, self.value_buffer, self.length = key_buffer, value_buffer, length
+        self.keys = key_buffer[:, :, :length]
+        self.values = value_buffer[:, :, :length]
 
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0

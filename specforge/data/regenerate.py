@@ -295,7 +295,8 @@ def run_continuous(model, run: Regeneration, states, progress: tqdm, start: floa
             run.finish(state)
             _show_rate(progress, run, start, 1)
         else:
-            pending.append(Request(state, ids, seed=run.seed(state)))
+            later_turns = len(state.user_turns) - state.turn - 1
+            pending.append(Request(state, ids, seed=run.seed(state), priority=later_turns))
 
     for state in states:
         ask_next(state)

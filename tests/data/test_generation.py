@@ -8,10 +8,12 @@ from specforge.config import RegenerateConfig
 from specforge.data.conversations import Conversation
 from specforge.data.generation import (
     CPU_ROWS_PER_SPAN,
+    PREFILL_PADDING,
     ContinuousBatcher,
     GenerationSettings,
     Request,
     default_rows_per_span,
+    prefill_groups,
 )
 from specforge.data.regenerate import regenerate_conversations
 from specforge.io import read_jsonl
@@ -45,6 +47,8 @@ def test_continuous_batching_equals_one_prompt_at_a_time(tiny_target, rows_per_s
         max_new_tokens=12, eos_ids=eos, pad_id=0, max_batch_size=3, rows_per_span=rows_per_span or 3
     )
     batcher = ContinuousBatcher(model, settings)
+    # the first join (the 3 longest prompts) prefills in more than one forward
+    assert len(prefill_groups(sorted(map(len, PROMPTS), reverse=True)[:3])) > 1
     pending = [Request(i, p) for i, p in enumerate(PROMPTS)]
     answers = {c.key: (c.tokens, c.stopped) for c in batcher.run(pending)}
     assert sorted(answers) == list(range(len(PROMPTS)))
@@ -55,6 +59,24 @@ def test_continuous_batching_equals_one_prompt_at_a_time(tiny_target, rows_per_s
             reference = reference[: reference.index(tokens[-1]) + 1]
         assert tokens == reference, i
         assert stopped == (tokens[-1] in eos)
+
+
+@pytest.mark.parametrize(
+    "lengths", [[89, 80, 70, 60, 50, 40, 35], [350, 60, 55, 50], [9, 9, 9], [1, 1, 100], [7], []]
+)
+def test_prefill_groups_bound_each_forwards_padding(lengths):
+    """Consecutive groups covering every prompt; each pads by at most PREFILL_PADDING of its
+    real tokens, and would pad by more with the next prompt."""
+    groups = prefill_groups(lengths)
+    assert [i for group in groups for i in group] == list(range(len(lengths)))
+    for index, group in enumerate(groups):
+        window = [lengths[i] for i in group]
+        assert max(window) * len(window) <= (1 + PREFILL_PADDING) * sum(window)
+        if index + 1 < len(groups):
+            window.append(lengths[group.stop])
+            assert max(window) * len(window) > (1 + PREFILL_PADDING) * sum(window)
+    if lengths[:2] == [350, 60]:  # a follow-up turn carrying a long answer goes alone
+        assert groups[0] == range(1)
 
 
 def test_row_spans_cover_each_rows_real_columns(tiny_target):
@@ -206,3 +228,11 @@ def test_several_sampled_answers_per_conversation_resume_by_id(tmp_path, tiny_ta
     report = regenerate_conversations(model, tokenizer, CONVERSATIONS[:3], out, cfg)
     assert report.already_done == 6 and report.turns == 3  # only c2's three answers are new
     assert read_jsonl(out)[:6] == records
+
+
+def test_requests_join_by_priority_then_longest_prompt(tiny_target):
+    model, _ = tiny_target
+    settings = GenerationSettings(max_new_tokens=2, eos_ids=[], pad_id=0, max_batch_size=1)
+    pending = [Request("short", [5]), Request("long", [5, 9, 2]), Request("first", [7], priority=1)]
+    order = [completion.key for completion in ContinuousBatcher(model, settings).run(pending)]
+    assert order == ["first", "long", "short"]
