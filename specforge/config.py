@@ -205,9 +205,11 @@ class RegenerateConfig:
     """Server backend: the first retry waits this long, each next one twice as long."""
     max_new_tokens: int = 256
     """Longest answer generated per user turn."""
-    batch_size: int = 16
+    batch_size: int | Literal["auto"] = 16
     """Answers generated together: rows in flight (``continuous``) or conversations per fixed
-    batch (``static``)."""
+    batch (``static``). ``auto``: as many as half the device's free memory holds with every
+    row at its longest (``max_prompt_length`` + ``max_new_tokens`` cached tokens), at most 128
+    on a CPU and 1,024 on a GPU (:func:`~specforge.data.generation.auto_batch_size`)."""
     rows_per_span: int | Literal["auto"] = "auto"
     """``continuous``: decode attention runs over spans of this many neighbouring rows, each
     reading only the cached columns its longest row fills (rows are left-padded, and a new
@@ -230,7 +232,7 @@ class RegenerateConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"regenerate.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.batch_size < 1:
+        if self.batch_size != "auto" and self.batch_size < 1:
             raise ConfigError(f"regenerate.batch_size must be >= 1, got {self.batch_size}")
         if self.rows_per_span != "auto" and self.rows_per_span < 1:
             raise ConfigError(f"regenerate.rows_per_span must be >= 1, got {self.rows_per_span}")
@@ -475,6 +477,11 @@ class ExportConfig:
     """Dtype of the exported float weights."""
 
 
+AUTO_MAX_DEPTH = 7
+"""The deepest chain ``bench.num_steps: auto`` drafts (SGLang's adaptive tiers stop at 7 too);
+also the most first-position siblings ``bench.auto_siblings`` may ask for."""
+
+
 @dataclass
 class BenchConfig:
     """``specforge bench``: accept length and speedup of an exported draft vs the target."""
@@ -548,8 +555,10 @@ class BenchConfig:
             )
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"bench.limit must be >= 1 or null, got {self.limit}")
-        if not 0 <= self.auto_siblings <= 7:
-            raise ConfigError(f"bench.auto_siblings must be in 0..7, got {self.auto_siblings}")
+        if not 0 <= self.auto_siblings <= AUTO_MAX_DEPTH:
+            raise ConfigError(
+                f"bench.auto_siblings must be in 0..{AUTO_MAX_DEPTH}, got {self.auto_siblings}"
+            )
 
 
 @dataclass

@@ -101,6 +101,8 @@ def test_dotted_overrides_win_and_are_typed(tmp_path):
         ("regenerate.top_p=2", "regenerate.top_p must be in (0, 1]"),
         ("regenerate.rows_per_span=0", "regenerate.rows_per_span must be >= 1, got 0"),
         ("regenerate.rows_per_span=many", "regenerate.rows_per_span must be an integer"),
+        ("regenerate.batch_size=0", "regenerate.batch_size must be >= 1, got 0"),
+        ("regenerate.batch_size=most", "regenerate.batch_size must be an integer"),
         ("data.max_length", "override must look like section.key=value"),
         ("data=3", "data must be a mapping"),
     ],

@@ -39,7 +39,7 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,13 @@ from specforge.data.chat import (
     with_system_prompt,
 )
 from specforge.data.conversations import Conversation
-from specforge.data.generation import ContinuousBatcher, GenerationSettings, Request
+from specforge.data.generation import (
+    ContinuousBatcher,
+    GenerationSettings,
+    Request,
+    auto_batch_size,
+)
+from specforge.data.kv_cache import GrowingKVLayer
 from specforge.data.server_client import ChatClient
 from specforge.io import append_jsonl, read_jsonl, write_jsonl_atomic
 
@@ -81,6 +87,9 @@ class RegenerateReport:
     """Answers whose text, tokenized again, is not the ids the target generated."""
     decode_steps: int = 0
     """Continuous backend: decode forwards run (generated tokens / steps = rows per step)."""
+    batch_size: int = 0
+    """Rows in flight (continuous) or conversations per batch (static) as run: ``auto``
+    resolved; 0 for the server backend."""
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -95,6 +104,7 @@ class RegenerateReport:
             "skipped_control_text": self.skipped_control_text,
             "reencode_mismatch_turns": self.reencode_mismatch_turns,
             "decode_steps": self.decode_steps,
+            "batch_size": self.batch_size,
             "seconds": round(self.seconds, 1),
             "tokens_per_s": round(self.generated_tokens / max(self.seconds, 1e-9), 1),
         }
@@ -243,8 +253,13 @@ def regenerate_conversations(
             len(conversations) - len(states),
             len(states),
         )
+    if cfg.batch_size == "auto" and cfg.backend != "server":
+        longest = cfg.max_prompt_length + cfg.max_new_tokens + GrowingKVLayer.SPARE
+        cfg = replace(cfg, batch_size=auto_batch_size(model, longest))
+        logger.info("regenerate.batch_size auto: %d rows in flight", cfg.batch_size)
     output.parent.mkdir(parents=True, exist_ok=True)
     run = Regeneration(model, tokenizer, cfg, sidecar, target_name)
+    run.report.batch_size = 0 if cfg.backend == "server" else cfg.batch_size
     clean = [s for s in states if not control_text_in(tokenizer, s.conversation.messages)]
     run.report.skipped_control_text, states = len(states) - len(clean), clean
     run.report.requested, run.report.already_done = (

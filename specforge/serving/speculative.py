@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specforge.config import AUTO_MAX_DEPTH
 from specforge.data.generation import warp_probs
 from specforge.data.kv_cache import growing_cache
 from specforge.errors import UserError
@@ -57,9 +58,6 @@ from specforge.serving.tree import (
     tree_attention,
     verification_inputs,
 )
-
-AUTO_MAX_DEPTH = 7
-"""The deepest chain ``num_steps: auto`` drafts (SGLang's adaptive tiers stop at 7 too)."""
 
 AUTO_MAX_SIBLINGS = 3
 """Greedy ``auto``'s default for the most further candidates of the first draft position

@@ -7,14 +7,19 @@ import torch
 from specforge.config import RegenerateConfig
 from specforge.data.conversations import Conversation
 from specforge.data.generation import (
+    AUTO_MEMORY_SHARE,
+    AUTO_ROWS,
     CPU_ROWS_PER_SPAN,
     PREFILL_PADDING,
     ContinuousBatcher,
     GenerationSettings,
     Request,
+    auto_batch_size,
     default_rows_per_span,
+    kv_bytes_per_token,
     prefill_groups,
 )
+from specforge.data.kv_cache import cache_kwargs, growing_cache
 from specforge.data.regenerate import regenerate_conversations
 from specforge.io import read_jsonl
 from specforge.models.target import use_grouped_sdpa
@@ -236,3 +241,19 @@ def test_requests_join_by_priority_then_longest_prompt(tiny_target):
     pending = [Request("short", [5]), Request("long", [5, 9, 2]), Request("first", [7], priority=1)]
     order = [completion.key for completion in ContinuousBatcher(model, settings).run(pending)]
     assert order == ["first", "long", "short"]
+
+
+def test_auto_batch_size_fits_the_cache_in_its_share_of_free_memory(tiny_target):
+    """``regenerate.batch_size: auto``: rows whose caches, each ``tokens`` long, fill at most
+    AUTO_MEMORY_SHARE of the free memory; at least 1, at most AUTO_ROWS on a CPU."""
+    model, _ = tiny_target
+    tokens = 40
+    cache = growing_cache()
+    with torch.no_grad():
+        model(input_ids=torch.ones(1, tokens, dtype=torch.long), **cache_kwargs(model, cache))
+    per_row = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    assert per_row == tokens * kv_bytes_per_token(model)  # what a real cache holds
+    room_for_3 = int((3 * per_row + per_row // 2) / AUTO_MEMORY_SHARE)
+    assert auto_batch_size(model, tokens, free_bytes=room_for_3) == 3
+    assert auto_batch_size(model, tokens, free_bytes=per_row) == 1
+    assert auto_batch_size(model, tokens, free_bytes=1 << 50) == AUTO_ROWS["cpu"]

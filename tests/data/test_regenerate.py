@@ -9,6 +9,7 @@ import pytest
 
 from specforge.config import RegenerateConfig
 from specforge.data.conversations import Conversation
+from specforge.data.generation import AUTO_ROWS
 from specforge.data.regenerate import partial_path, regenerate_conversations
 
 CONVERSATIONS = [
@@ -59,6 +60,18 @@ def test_batched_left_padding_matches_one_at_a_time(tmp_path, tiny_target):
     one_cfg = RegenerateConfig(enabled=True, max_new_tokens=12, batch_size=1)
     regenerate_conversations(model, tokenizer, CONVERSATIONS, single, one_cfg)
     assert read(batched) == read(single)
+
+
+def test_auto_batch_size_is_resolved_and_reported(tmp_path, tiny_target):
+    """``batch_size: auto`` on a CPU with memory to spare: AUTO_ROWS rows in flight, the same
+    answers as any other batch size (fp32, greedy)."""
+    model, tokenizer = tiny_target
+    auto_cfg = RegenerateConfig(enabled=True, max_new_tokens=12, batch_size="auto")
+    auto, fixed = tmp_path / "auto.jsonl", tmp_path / "fixed.jsonl"
+    report = regenerate_conversations(model, tokenizer, CONVERSATIONS, auto, auto_cfg)
+    assert report.batch_size == AUTO_ROWS["cpu"] and report.as_dict()["batch_size"] == 128
+    assert regenerate_conversations(model, tokenizer, CONVERSATIONS, fixed, CFG).batch_size == 2
+    assert read(auto) == read(fixed)
 
 
 def test_rerun_with_larger_limit_adds_only_missing(tmp_path, tiny_target):
