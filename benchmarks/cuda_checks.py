@@ -20,8 +20,9 @@ Stages, in order of what a short lease should get first:
 4. ``train bN``: ``benchmarks/train_throughput.py`` of the long recipe on CUDA, batch 1 (the
    recipe's) and 4, on ``--data`` (prepared conversations);
 5. ``long recipe`` (with ``--quickstart-minutes``): ``specforge quickstart`` of the long recipe on
-   CUDA within that budget, 1024 prompts written and answered at a time (a decode step there
-   costs about the same at 256 rows and at 1024), 1000 more a round: each stage's tokens/s
+   CUDA within that budget, 1024 prompts written at a time and ``regenerate.batch_size: auto``
+   answering them (about 890 rows on an 80 GB GPU; a decode step there costs about the same at
+   256 rows and at 1024), 1000 more a round: each stage's tokens/s
    (``conversations.stats.json``, ``metrics.jsonl``) and the resulting MT-Bench ``tau``.
 
 A stage that fails or runs out of time is recorded and the next one runs. Stages without their
@@ -106,7 +107,7 @@ def stages(args) -> list[tuple[str, list[str], float]]:
                 [py, "-m", "specforge.cli", "quickstart", "--config", args.recipe]
                 + ["--output", str(out / "long"), "--questions", args.questions]
                 + ["--minutes", str(args.quickstart_minutes), f"target.device={args.device}"]
-                + ["synthesize.batch_size=1024", "regenerate.batch_size=1024"]
+                + ["synthesize.batch_size=1024", "regenerate.batch_size=auto"]
                 + ["quickstart.synthesize_step=1000", "train.batch_size=4"]
                 + [f"bench.limit={args.limit}"],
                 # the budget, plus loading and the bench's own estimate's slack
