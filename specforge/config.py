@@ -208,8 +208,9 @@ class RegenerateConfig:
     batch_size: int | Literal["auto"] = 16
     """Answers generated together: rows in flight (``continuous``) or conversations per fixed
     batch (``static``). ``auto``: as many as half the device's free memory holds with every
-    row at its longest (``max_prompt_length`` + ``max_new_tokens`` cached tokens), at most 128
-    on a CPU and 1,024 on a GPU (:func:`~specforge.data.generation.auto_batch_size`)."""
+    row at its longest (``max_prompt_length`` + ``max_new_tokens`` cached tokens, plus the
+    cache's spare columns), at most 256 on a CPU and 1,024 on a GPU
+    (:func:`~specforge.data.generation.auto_batch_size`)."""
     rows_per_span: int | Literal["auto"] = "auto"
     """``continuous``: decode attention runs over spans of this many neighbouring rows, each
     reading only the cached columns its longest row fills (rows are left-padded, and a new

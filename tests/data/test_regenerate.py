@@ -69,7 +69,7 @@ def test_auto_batch_size_is_resolved_and_reported(tmp_path, tiny_target):
     auto_cfg = RegenerateConfig(enabled=True, max_new_tokens=12, batch_size="auto")
     auto, fixed = tmp_path / "auto.jsonl", tmp_path / "fixed.jsonl"
     report = regenerate_conversations(model, tokenizer, CONVERSATIONS, auto, auto_cfg)
-    assert report.batch_size == AUTO_ROWS["cpu"] and report.as_dict()["batch_size"] == 128
+    assert report.batch_size == report.as_dict()["batch_size"] == AUTO_ROWS["cpu"]
     assert regenerate_conversations(model, tokenizer, CONVERSATIONS, fixed, CFG).batch_size == 2
     assert read(auto) == read(fixed)
 
