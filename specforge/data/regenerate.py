@@ -200,6 +200,18 @@ class Regeneration:
         return zlib.crc32(f"{self.cfg.seed}:{state.conversation.id}:{state.turn}".encode())
 
 
+def resolve_batch_size(model, cfg: RegenerateConfig) -> RegenerateConfig:
+    """``cfg`` with ``batch_size: auto`` made concrete: :func:`auto_batch_size` for rows whose
+    caches grow to a longest prompt and answer; ``cfg`` itself otherwise (and for the server
+    backend, which does not batch)."""
+    if cfg.batch_size != "auto" or cfg.backend == "server":
+        return cfg
+    longest = cfg.max_prompt_length + cfg.max_new_tokens + GrowingKVLayer.SPARE
+    resolved = replace(cfg, batch_size=auto_batch_size(model, longest))
+    logger.info("regenerate.batch_size auto: %d rows in flight", resolved.batch_size)
+    return resolved
+
+
 def regenerate_conversations(
     model,
     tokenizer,
@@ -253,10 +265,7 @@ def regenerate_conversations(
             len(conversations) - len(states),
             len(states),
         )
-    if cfg.batch_size == "auto" and cfg.backend != "server":
-        longest = cfg.max_prompt_length + cfg.max_new_tokens + GrowingKVLayer.SPARE
-        cfg = replace(cfg, batch_size=auto_batch_size(model, longest))
-        logger.info("regenerate.batch_size auto: %d rows in flight", cfg.batch_size)
+    cfg = resolve_batch_size(model, cfg)
     output.parent.mkdir(parents=True, exist_ok=True)
     run = Regeneration(model, tokenizer, cfg, sidecar, target_name)
     run.report.batch_size = 0 if cfg.backend == "server" else cfg.batch_size
