@@ -197,13 +197,19 @@ AUTO_MEMORY_SHARE = 0.5
 
 
 def kv_bytes_per_token(model) -> int:
-    """Bytes of cached keys and values per token over all of ``model``'s layers."""
-    config = model.config.get_text_config()
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    element = next(model.parameters()).element_size()
-    return config.num_hidden_layers * 2 * kv_heads * head_dim * element
+    """Bytes of cached keys and values per token over all of ``model``'s layers, measured: one
+    token through the model into the cache the batcher uses (whatever its family calls its
+    head counts and sizes, which the draft's config reads in the model layer above)."""
+    cache = growing_cache()
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(
+            input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+            use_cache=True,
+            **cache_kwargs(model, cache),
+            logits_to_keep=1,
+        )
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
 def free_memory(device: torch.device) -> int:
