@@ -11,12 +11,15 @@ layers ``load_target`` installs), ``continuous`` (continuous batching, ``--batch
 same dtype), ``new`` (continuous batching in ``--new-dtype``; the same run as ``continuous``
 when the dtypes agree) and, with ``--compare-row-spans``, ``new`` with the other decode
 attention spans than ``regenerate.rows_per_span: auto`` gives (``one span`` over the whole batch
-on a CPU, ``16-row spans`` on a GPU), with generated
+on a CPU, ``16-row spans`` on a GPU), with ``--compare-decode-kernel``, ``continuous, SDPA``
+(decode steps' attention through PyTorch's SDPA instead of the CPU kernel,
+``regenerate.decode_kernel: off``), with generated
 tokens/s, their ratios to today's, how many answers are token-identical to today's, and how
 often decode -> re-encode differs from the generated ids; with ``--synthesize N``, the target
 writing N prompts with the top-p nucleus found among its top candidates and by ranking the
 whole vocabulary (a top-k over all of it, which costs what the earlier full sort did; same
-seeds); tokenization with loss masks (conversations/s), and
+seeds); building (first use) or loading the CPU decode attention kernel, outside the
+regeneration timings; tokenization with loss masks (conversations/s), and
 the vocabulary map. ``--device cuda`` runs the target on a GPU. Run it alone: a second
 CPU-heavy process slows PyTorch many times over.
 """
@@ -43,14 +46,16 @@ from specforge.data.regenerate import regenerate_conversations
 from specforge.data.synthesize import synthesize_conversations
 from specforge.data.vocab import build_vocab_map, count_token_frequencies
 from specforge.io import read_jsonl, write_json_atomic
+from specforge.models.decode_kernel import load_decode_kernel
 from specforge.models.target import embedded_target_dir, load_target
 
-TODAY, STATIC_OURS, SAME_DTYPE, NEW, ONE_SPAN = (
+TODAY, STATIC_OURS, SAME_DTYPE, NEW, ONE_SPAN, SDPA_DECODE = (
     "today",
     "static, ours",
     "continuous",
     "new",
     "one span",
+    "continuous, SDPA",
 )
 
 
@@ -63,6 +68,8 @@ class RegenerationPath(NamedTuple):
     """``target.attn_implementation`` (None: what ``load_target`` installs)."""
     prepack: bool = True
     """``target.prepack_linear``."""
+    decode_kernel: str = "auto"
+    """``regenerate.decode_kernel``."""
 
 
 def paths(args) -> dict[str, RegenerationPath]:
@@ -82,6 +89,10 @@ def paths(args) -> dict[str, RegenerationPath]:
         other = args.batch_size if auto < args.batch_size else CPU_ROWS_PER_SPAN
         name = ONE_SPAN if other >= args.batch_size else f"{other}-row spans"
         runs[name] = RegenerationPath("continuous", args.batch_size, args.new_dtype, other)
+    if args.compare_decode_kernel:
+        runs[SDPA_DECODE] = RegenerationPath(
+            "continuous", args.batch_size, args.new_dtype, spans, decode_kernel="off"
+        )
     return runs
 
 
@@ -134,6 +145,12 @@ def main() -> None:
         f"{CPU_ROWS_PER_SPAN}-row spans elsewhere",
     )
     parser.add_argument(
+        "--compare-decode-kernel",
+        action="store_true",
+        help="also run the new path with decode attention through PyTorch's SDPA "
+        "(regenerate.decode_kernel off)",
+    )
+    parser.add_argument(
         "--synthesize",
         type=int,
         default=0,
@@ -179,12 +196,18 @@ def main() -> None:
                 )
             )
 
+        start = time.perf_counter()
+        kernel, missing = load_decode_kernel()
+        kernel_note = "ready" if kernel is not None else f"unavailable: {missing}"
+        rows.append(
+            ("decode attention kernel (build or load)", time.perf_counter() - start, kernel_note)
+        )
         conversations = builtin_conversations("train")[: args.limit]
         models = {(args.dtype, None, True): model}
         reports, answers = {}, {}
         runs = paths(args)
         for path, run in runs.items():
-            backend, batch_size, dtype, rows_per_span, attention, prepack = run
+            backend, batch_size, dtype, rows_per_span, attention, prepack, kernel_mode = run
             if (dtype, attention, prepack) not in models:
                 models[dtype, attention, prepack], _ = load_target(
                     TargetConfig(
@@ -201,6 +224,7 @@ def main() -> None:
                 max_new_tokens=args.max_new_tokens,
                 batch_size=batch_size,
                 rows_per_span=rows_per_span,
+                decode_kernel=kernel_mode,
             )
             with tempfile.TemporaryDirectory() as work:
                 output = Path(work) / "distilled.jsonl"
@@ -257,6 +281,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
+        "decode_kernel": kernel_note,
         "regenerate": {path: r.as_dict() for path, r in reports.items()},
         "regenerate_speedup": {p: round(rate[p] / rate[TODAY], 2) for p in compared},
         "regenerate_identical_conversations": identical,

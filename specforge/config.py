@@ -218,6 +218,12 @@ class RegenerateConfig:
     row reads the longest row's columns. Outputs agree to float rounding either way. ``auto``:
     16 on a CPU, where attention reads memory; one span on a GPU, where every span costs its
     own kernel launches (256 rows: 16 attention calls a layer instead of one)."""
+    decode_kernel: Literal["auto", "on", "off"] = "auto"
+    """``continuous`` on CPU: decode steps' attention through specforge's AVX-512 kernel
+    (:mod:`specforge.models.decode_kernel`, built on first use with the system's C++ compiler,
+    cached by PyTorch): ``auto`` where it builds and applies, else PyTorch's SDPA with a
+    warning naming why; ``on``: an error instead of that fallback; ``off``: SDPA. Outputs agree
+    with SDPA's to float rounding (bf16: 2.2x faster attention at 256 rows on a 2-core CPU)."""
     temperature: float = 0.0
     """0 means greedy decoding; > 0 samples at this temperature."""
     top_p: float = 1.0

@@ -228,3 +228,15 @@ def greedy_reference(target, prompt, max_new_tokens):
         eos_token_id=None,
     )
     return out[0].tolist()
+
+
+def kernel_or_skip() -> None:
+    """Skip a test of the CPU decode attention kernel where it cannot run (no AVX-512, no C++
+    compiler), naming why."""
+    import pytest
+
+    from specforge.models.decode_kernel import load_decode_kernel
+
+    kernel, why = load_decode_kernel()
+    if kernel is None:
+        pytest.skip(f"the decode kernel is unavailable here: {why}")

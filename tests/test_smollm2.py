@@ -281,3 +281,26 @@ def test_synthesis_killed_mid_round_keeps_its_prompts_and_the_rerun_continues(tm
     assert len(after) == 12 and len({r["prompt"] for r in after}) == 12
     assert [r["attempt"] for r in after] == sorted({r["attempt"] for r in after})
     assert len(killed.read_text().splitlines()) == 12
+
+
+def test_regeneration_through_the_decode_kernel_writes_what_sdpa_writes(smollm2, tmp_path):
+    """fp32, greedy: continuous batching with decode steps through the CPU kernel answers
+    token for token as with PyTorch's SDPA (rows of different lengths, left-padded)."""
+    from specforge.config import RegenerateConfig
+    from specforge.data.prompts import builtin_conversations
+    from specforge.data.regenerate import regenerate_conversations
+    from tests.helpers import kernel_or_skip
+
+    kernel_or_skip()
+    model, tokenizer = smollm2
+    conversations = builtin_conversations("train")[:6]
+    written = {}
+    for mode in ("off", "on"):
+        cfg = RegenerateConfig(
+            enabled=True, max_new_tokens=32, batch_size=6, rows_per_span=2, decode_kernel=mode
+        )
+        output = tmp_path / f"{mode}.jsonl"
+        report = regenerate_conversations(model, tokenizer, conversations, output, cfg)
+        assert report.written == 6
+        written[mode] = output.read_text().splitlines()
+    assert written["on"] == written["off"]

@@ -38,6 +38,7 @@ from specforge.data.kv_cache import (
     RowSpan,
     attention_row_spans,
     cache_kwargs,
+    decode_kernel_mode,
     growing_cache,
 )
 
@@ -169,6 +170,8 @@ class GenerationSettings:
     """Decode attention runs over spans of this many consecutive rows, each reading only the
     key columns its longest row fills (:func:`~specforge.data.kv_cache.attention_row_spans`).
     None: :func:`default_rows_per_span` for the model's device."""
+    decode_kernel: str = "auto"
+    """Decode steps' attention on CPU (:func:`~specforge.data.kv_cache.decode_kernel_mode`)."""
 
 
 CPU_ROWS_PER_SPAN = 16
@@ -351,7 +354,8 @@ class ContinuousBatcher:
         """One decode forward over every row's last token."""
         last = torch.tensor([t[-1] for t in batch.tokens], device=self.device)
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], 1)
-        with attention_row_spans(self._row_spans(batch.mask)):
+        spans = self._row_spans(batch.mask)
+        with attention_row_spans(spans), decode_kernel_mode(self.settings.decode_kernel):
             out = self.model(
                 input_ids=last[:, None],
                 attention_mask=batch.mask,

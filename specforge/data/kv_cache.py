@@ -122,3 +122,29 @@ def attention_row_spans(spans: list[RowSpan]) -> Iterator[None]:
 def current_row_spans() -> list[RowSpan] | None:
     """The spans of the innermost :func:`attention_row_spans` block, or None outside one."""
     return _ROW_SPANS.get()
+
+
+DECODE_KERNEL_MODES = ("auto", "on", "off")
+"""``regenerate.decode_kernel``: see :class:`~specforge.config.RegenerateConfig`."""
+
+_DECODE_KERNEL: ContextVar[str] = ContextVar("decode_kernel", default="off")
+
+
+@contextmanager
+def decode_kernel_mode(mode: str) -> Iterator[None]:
+    """Within this block, the target's grouped attention runs one-position decode steps on CPU
+    through specforge's AVX-512 kernel (:mod:`specforge.models.decode_kernel`): ``auto`` where
+    it builds and applies (else PyTorch's SDPA), ``on`` or a clear error, ``off`` never.
+    Outside any block: ``off``."""
+    if mode not in DECODE_KERNEL_MODES:
+        raise ValueError(f"decode kernel mode must be one of {DECODE_KERNEL_MODES}, got {mode!r}")
+    token = _DECODE_KERNEL.set(mode)
+    try:
+        yield
+    finally:
+        _DECODE_KERNEL.reset(token)
+
+
+def current_decode_kernel_mode() -> str:
+    """The mode of the innermost :func:`decode_kernel_mode` block (``off`` outside one)."""
+    return _DECODE_KERNEL.get()

@@ -310,6 +310,7 @@ def run_continuous(model, run: Regeneration, states, progress: tqdm, start: floa
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         rows_per_span=None if cfg.rows_per_span == "auto" else cfg.rows_per_span,
+        decode_kernel=cfg.decode_kernel,
     )
     pending: list[Request] = []
 

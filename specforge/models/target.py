@@ -39,6 +39,7 @@ from specforge.models.adapter import (
     norm_scale,
     text_config,
 )
+from specforge.models.decode_kernel import kernel_decode_attention
 from specforge.models.packed_linear import prepack_linears
 
 logger = logging.getLogger(__name__)
@@ -163,7 +164,8 @@ def grouped_sdpa_attention(
     which made it 85% of a bf16 decode step of continuous batching. Without a mask HF passes
     ``enable_gqa`` instead; so does this function in float32 (the runtime's bit-identical
     checks), but bf16 packs there too (the same sums, so equal up to rounding: tested within
-    it)."""
+    it). Inside :func:`~specforge.data.kv_cache.decode_kernel_mode` (continuous batching), a
+    one-position step on CPU runs :mod:`specforge.models.decode_kernel`'s kernel instead."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     special = ("softcap", "position_bias", "s_aux", "sinks", "cache")
@@ -172,6 +174,10 @@ def grouped_sdpa_attention(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
     q_length = query.shape[2]
+    if q_length == 1 and not dropout:
+        out = kernel_decode_attention(query, key, value, attention_mask, scaling)
+        if out is not None:
+            return out, None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = q_length > 1 and attention_mask is None and is_causal
     if is_causal and key.shape[2] > q_length:  # as HF: an empty static cache's prefill

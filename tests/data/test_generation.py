@@ -23,6 +23,7 @@ from specforge.data.kv_cache import cache_kwargs, growing_cache
 from specforge.data.regenerate import regenerate_conversations
 from specforge.io import read_jsonl
 from specforge.models.target import use_grouped_sdpa
+from tests.helpers import kernel_or_skip, make_tiny_llama
 
 PROMPTS = [[5, 9, 2], [7] * 11, [3, 1, 4, 1, 5, 9, 2, 6], [8, 8], [1] * 20, [4, 4, 4, 4, 4], [6]]
 
@@ -40,16 +41,32 @@ def one_at_a_time(model, prompt, max_new_tokens, eos):
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("rows_per_span", [None, 1, 2])
-def test_continuous_batching_equals_one_prompt_at_a_time(tiny_target, rows_per_span):
+@pytest.mark.parametrize(
+    "rows_per_span, decode_kernel", [(None, "off"), (1, "off"), (2, "off"), (2, "on")]
+)
+def test_continuous_batching_equals_one_prompt_at_a_time(
+    tiny_tokenizer, rows_per_span, decode_kernel
+):
     """Also with the target's grouped attention reading each span of rows' real keys only
-    (``rows_per_span``; None: HF's sdpa, which reads every column)."""
-    model, tokenizer = tiny_target
+    (``rows_per_span``; None: HF's sdpa, which reads every column), and with decode steps
+    through the CPU kernel (a target with head size 64, which it takes)."""
+    tokenizer = tiny_tokenizer
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if decode_kernel == "on":
+        kernel_or_skip()
+    model = make_tiny_llama(
+        len(tokenizer), hidden=256 if decode_kernel == "on" else 64, eos_token_id=eos_id
+    )
     if rows_per_span:
         assert use_grouped_sdpa(model)
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), 33]  # 33 also ends (so rows end early)
     settings = GenerationSettings(
-        max_new_tokens=12, eos_ids=eos, pad_id=0, max_batch_size=3, rows_per_span=rows_per_span or 3
+        max_new_tokens=12,
+        eos_ids=eos,
+        pad_id=0,
+        max_batch_size=3,
+        rows_per_span=rows_per_span or 3,
+        decode_kernel=decode_kernel,
     )
     batcher = ContinuousBatcher(model, settings)
     # the first join (the 3 longest prompts) prefills in more than one forward
