@@ -18,8 +18,9 @@ import json
 from pathlib import Path
 
 from specforge.config import load_config
-from specforge.io import read_jsonl, write_json_atomic
+from specforge.io import read_jsonl
 from specforge.recipes.bench import bench
+from specforge.results import write_result
 
 CONFIGURATIONS = {
     "chain-5": {"num_steps": 5, "topk": 1, "num_draft_tokens": None},
@@ -85,7 +86,7 @@ def main() -> None:
         "questions": args.questions,
         "max_new_tokens": args.max_new_tokens,
     }
-    write_json_atomic(Path(args.output) / "summary.json", summary)
+    write_result(Path(args.output) / "summary.json", summary)
     print(f"\npredicted tau (training eval, chain of ttt_length): {summary['predicted_tau']}")
     print(
         "| drafting | tau | tau_sglang | speedup | prompt lookup | identical | eagle3 tok/s "

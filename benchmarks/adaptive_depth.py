@@ -36,8 +36,8 @@ from tqdm import tqdm
 from specforge.config import load_config, resolve_draft_quantize, torch_dtype
 from specforge.data.chat import end_of_turn_ids, prompt_ids
 from specforge.data.questions import ask_turns, load_questions, resolve_question_set
-from specforge.io import write_json_atomic
 from specforge.recipes.bench import build_comparison, load_bench_draft
+from specforge.results import write_result
 from specforge.serving.bench import BenchTally, round_costs
 from specforge.serving.speculative import SpeculativeDecoder
 
@@ -215,7 +215,7 @@ def run(args) -> None:
         "calibration": calibration,
         "rows": rows,
     }
-    write_json_atomic(Path(args.output), result)
+    write_result(Path(args.output), result)
     print(f"\ntarget alone: {target_speed:.1f} tokens/s; calibration: {calibration}\n")
     print(
         "| depth | draft | tau | tokens/s | speedup | round ms | draft + extension ms | identical |"

@@ -26,9 +26,9 @@ from specforge.config import load_config
 from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.kv_cache import cache_kwargs, growing_cache
 from specforge.data.questions import load_questions, resolve_question_set
-from specforge.io import write_json_atomic
 from specforge.models.packed_linear import default_linears
 from specforge.models.target import load_target
+from specforge.results import write_result
 from specforge.serving.bench import compiled_generate_kwargs, greedy_generate
 
 
@@ -117,9 +117,7 @@ def main() -> None:
     base = rows[0]["tokens_per_s"]
     for row in rows:
         row["vs_dynamic"] = round(row["tokens_per_s"] / base, 3)
-    write_json_atomic(
-        Path(args.output), {"settings": vars(args) | {"questions": source}, "rows": rows}
-    )
+    write_result(Path(args.output), {"settings": vars(args) | {"questions": source}, "rows": rows})
     print("\n| method | tokens/s | vs dynamic | warm-up s | identical |\n|---|---:|---:|---:|---|")
     for r in rows:
         print(

@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from specforge.io import write_json_atomic
+from specforge.results import write_result
 
 
 def stages(args) -> list[tuple[str, list[str], float]]:
@@ -153,7 +153,7 @@ def main() -> None:
         took = time.perf_counter() - start
         summary.append({"stage": name, "returncode": rc, "seconds": round(took, 1)})
         print(f"{name}: {rc} after {took:.0f} s (log: {log})", flush=True)
-        write_json_atomic(out / "cuda_checks.json", {"stages": summary, "argv": sys.argv})
+        write_result(out / "cuda_checks.json", {"stages": summary, "argv": sys.argv})
     print(json.dumps(summary, indent=1))
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from specforge.config import DEFAULT_RECIPE, load_config
 from specforge.io import read_jsonl, write_json_atomic
+from specforge.results import write_result
 
 
 def corpus_overrides(args, output: Path, gsm8k_rows: int, synthesized: int) -> list[str]:
@@ -230,7 +231,7 @@ def main() -> None:
     for size in sorted(args.sizes):
         grow_corpus(args, output, size)
         rows.append(train_and_bench(args, output, size, output / "corpus.jsonl"))
-        write_json_atomic(output / "data_scaling.json", {"settings": vars(args), "rows": rows})
+        write_result(output / "data_scaling.json", {"settings": vars(args), "rows": rows})
     plot(rows, output / "data_scaling.png")
     print("\n| assistant tokens | conversations | steps | eval acc_0 | tau_pred | MT-Bench tau | "
           "speedup | identical |\n|---:|---:|---:|---:|---:|---:|---:|---|")  # fmt: skip

@@ -31,8 +31,8 @@ from specforge.config import TargetConfig
 from specforge.data.chat import pad_id_of, prompt_ids
 from specforge.data.generation import ContinuousBatcher, GenerationSettings, Request
 from specforge.data.prompts import builtin_conversations
-from specforge.io import write_json_atomic
 from specforge.models.target import load_target
+from specforge.results import write_result
 
 
 def answer(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> tuple[float, int]:
@@ -127,7 +127,7 @@ def main() -> None:
         "timed_steps": args.steps,
         "rows": rows,
     }
-    write_json_atomic(args.output, report)
+    write_result(args.output, report)
     print(f"wrote {args.output}")
 
 

@@ -36,6 +36,7 @@ import torch
 from specforge.config import load_config
 from specforge.data.sources import load_conversations
 from specforge.io import read_jsonl, write_json_atomic, write_jsonl_atomic
+from specforge.results import write_result
 
 STAGES = ("capture", "offline", "online")
 
@@ -170,7 +171,7 @@ def main() -> None:
         },
         "stages": results,
     }
-    write_json_atomic(out / "summary.json", summary)
+    write_result(out / "summary.json", summary)
     print("\n| metric | value |\n|---|---|")
     for key, value in summary.items():
         if key not in ("stages", "settings"):

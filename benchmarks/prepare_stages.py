@@ -45,9 +45,10 @@ from specforge.data.prompts import builtin_conversations
 from specforge.data.regenerate import regenerate_conversations
 from specforge.data.synthesize import synthesize_conversations
 from specforge.data.vocab import build_vocab_map, count_token_frequencies
-from specforge.io import read_jsonl, write_json_atomic
+from specforge.io import read_jsonl
 from specforge.models.decode_kernel import load_decode_kernel
 from specforge.models.target import embedded_target_dir, load_target
+from specforge.results import write_result
 
 TODAY, STATIC_OURS, SAME_DTYPE, NEW, ONE_SPAN, SDPA_DECODE = (
     "today",
@@ -293,7 +294,7 @@ def main() -> None:
             for name, s, note in rows
         ],
     }
-    write_json_atomic(args.output, result)
+    write_result(args.output, result)
     print("\n| step | seconds | note |\n|---|---:|---|")
     for name, seconds, note in rows:
         print(f"| {name} | {'' if seconds is None else f'{seconds:.1f}'} | {note} |")

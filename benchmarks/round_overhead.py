@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specforge.io import write_json_atomic
+from specforge.results import write_result
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = {
@@ -103,7 +103,7 @@ def main() -> None:
                     "cost": cost,
                 }
             )
-    write_json_atomic(output / "round_overhead.json", {"settings": vars(args), "rows": summary})
+    write_result(output / "round_overhead.json", {"settings": vars(args), "rows": summary})
     print(
         "\n| setting | commit | tau | draft ms | verify ms | outside draft+verify ms | "
         "of which target prefill | added | speedup | identical |\n"

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from specforge.config import load_config
-from specforge.io import read_jsonl, write_json_atomic
+from specforge.io import read_jsonl
 from specforge.recipes.train import train
+from specforge.results import write_result
 
 
 def main() -> None:
@@ -75,7 +76,7 @@ def main() -> None:
     }
     if torch.cuda.is_available() and cfg.target.device.startswith("cuda"):
         result["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-    write_json_atomic(args.output, result)
+    write_result(args.output, result)
     print("\n| metric | value |\n|---|---|")
     for key, value in result.items():
         print(f"| {key} | {value} |")

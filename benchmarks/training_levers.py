@@ -23,6 +23,7 @@ from specforge.config import DEFAULT_RECIPE, load_config
 from specforge.data.batching import split_train_eval
 from specforge.data.chat import TokenizedSample
 from specforge.io import read_jsonl, write_json_atomic, write_jsonl_atomic
+from specforge.results import write_result
 
 
 def rows(base) -> dict[str, list[str]]:
@@ -103,9 +104,7 @@ def main() -> None:
         if name == "epochs":
             data = half_data(data, args.eval_fraction, output)
         results.append(run_row(args, name, overrides, data))
-        write_json_atomic(
-            output / "training_levers.json", {"settings": vars(args), "rows": results}
-        )
+        write_result(output / "training_levers.json", {"settings": vars(args), "rows": results})
     base = next((r for r in results if r["row"] == "recipe"), None)
     print("\n| row | overrides | eval acc_0 | acc_1 | tau_pred | vs recipe |")
     print("|---|---|---:|---:|---:|---:|")

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 from specforge.config import TORCH_DTYPES, TargetConfig, torch_dtype
-from specforge.io import write_json_atomic
 from specforge.models.eagle3 import DraftKVCache, Eagle3Config, build_draft_model
 from specforge.models.int8_linear import int8_linear_available, quantize_linears
 from specforge.models.packed_linear import PackedLinear, default_linears, prepack_linears
 from specforge.models.target import default_aux_layer_ids, load_target
+from specforge.results import write_result
 from specforge.serving.speculative import SpeculativeDecoder, crop_cache
 
 
@@ -144,7 +144,7 @@ def main() -> None:
         "linear_kernels": kernels,
         "draft_extension_after_verification_ms": extension_ms,
     }
-    write_json_atomic(Path(args.output), result)
+    write_result(Path(args.output), result)
     print(f"\n{args.target} ({args.dtype}), context {args.context}")
     names = list(kernels)
     print("| new tokens | " + " | ".join(f"{n} ms | x one token" for n in names) + " |")

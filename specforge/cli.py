@@ -49,8 +49,14 @@ FLAG_NAMES = {
     "synthesize.count": "synthesize",
     "capture.dtype": "store-dtype",
     "output_dir": "output-dir",
+    "synthesize.temperature": "synthesize-temperature",
+    "synthesize.top_p": "synthesize-top-p",
+    "synthesize.batch_size": "synthesize-batch-size",
+    "synthesize.seed": "synthesize-seed",
 }
-"""Flags whose name is not the field's own (``--target`` for ``target.name_or_path``)."""
+"""Flags whose name is not the field's own (``--target`` for ``target.name_or_path``). Two
+fields of one stage whose names meet must be told apart here: a clash is an error when the
+parser is built, never settled by the order of the sections."""
 
 QUICKSTART_FLAG_NAMES = {"output_dir": "output"}
 
@@ -103,9 +109,12 @@ FLAG_DEST = "config:"
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, stage: Stage, names: dict) -> None:
-    """One flag per config field the stage reads (positionals for ``stage.positional``); a
-    field name that two of its sections share is ``--section-field`` in the later one."""
-    used: set[str] = set()
+    """One flag per config field the stage reads (positionals for ``stage.positional``).
+
+    Raises:
+        ValueError: two fields would get the same flag (name one of them in ``names``).
+    """
+    used: dict[str, str] = {}
     for key in stage.keys:
         for dotted, field_type, doc in config_fields(key):
             kwargs = _argument_kwargs(field_type)
@@ -118,8 +127,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, stage: Stage, names: d
             else:
                 name = names.get(dotted, dotted.rpartition(".")[2])
                 if name in used:
-                    name = dotted.replace(".", "-")
-                used.add(name)
+                    raise ValueError(
+                        f"--{name} would set both {used[name]} and {dotted}: give one of them "
+                        "its own flag name in FLAG_NAMES"
+                    )
+                used[name] = dotted
                 parser.add_argument(
                     "--" + name.replace("_", "-"), dest=FLAG_DEST + dotted, **kwargs
                 )
@@ -263,7 +275,7 @@ STAGES = {
     ),
     "quickstart": Stage(
         _run_quickstart,
-        "prepare, train, export and bench the embedded default (SmolLM2-135M) on this CPU",
+        "prepare, train, export and bench the embedded default (SmolLM2-135M) on the CPU",
         (
             "output_dir",
             "quickstart.minutes",
@@ -300,6 +312,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_SECTIONS = frozenset(f.name for f in dataclasses.fields(SpecForgeConfig))
+"""The config's top-level names: the first part of a dotted override."""
+
+
+def is_override(word: str) -> bool:
+    """Whether a command-line word is a dotted override: ``section.field=value`` for a section
+    of the config, or ``output_dir=value``. Such a word is never a flag's value, so a list flag
+    (``--data a.jsonl``) cannot swallow the override after it."""
+    key, sep, _ = word.partition("=")
+    section = key.partition(".")[0]
+    if not sep or not key.replace(".", "").replace("_", "").isalnum():
+        return False
+    return key == "output_dir" or ("." in key and section in _SECTIONS)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse a ``specforge`` command line, the dotted overrides (:func:`is_override`) taken out
+    first wherever they stand."""
+    overrides = [word for word in argv if is_override(word)]
+    args = build_parser().parse_args([word for word in argv if not is_override(word)])
+    args.overrides = [*overrides, *args.overrides]
+    return args
+
+
+def flag_table() -> dict[str, dict[str, str]]:
+    """Every subcommand's config flags, ``{stage: {flag: dotted key}}`` (a positional argument
+    as ``<dotted key>``): what the documentation lists and a snapshot test pins."""
+    parser = build_parser()
+    stages = parser._subparsers._group_actions[0].choices  # argparse keeps subparsers here
+    return {
+        stage: {
+            (action.option_strings or [f"<{action.dest.removeprefix(FLAG_DEST)}>"])[0]: (
+                action.dest.removeprefix(FLAG_DEST)
+            )
+            for action in sub._actions
+            if action.dest.startswith(FLAG_DEST)
+        }
+        for stage, sub in stages.items()
+    }
+
+
 def stage_config(args: argparse.Namespace) -> SpecForgeConfig:
     """The config a subcommand runs with: the file, the stage's own settings, the overrides,
     then the flags."""
@@ -307,7 +360,7 @@ def stage_config(args: argparse.Namespace) -> SpecForgeConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -58,7 +58,7 @@ class Distributed:
 
 
 def check_device(device: str) -> None:
-    """Refuse a device this machine does not have, before any loading.
+    """Refuse a device that is not present, before any loading.
 
     Raises:
         UserError: naming the device.

@@ -4,9 +4,14 @@ training configs, and a torchrun launcher. Fixtures built on them live in ``conf
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
@@ -240,3 +245,39 @@ def kernel_or_skip() -> None:
     kernel, why = load_decode_kernel()
     if kernel is None:
         pytest.skip(f"the decode kernel is unavailable here: {why}")
+
+
+@contextmanager
+def sglang_loopback(decoder) -> Iterator[tuple[str, dict[str, int]]]:
+    """A real HTTP server on loopback that speaks SGLang's ``/generate`` protocol, answering
+    with ``decoder`` (a :class:`~specforge.serving.speculative.SpeculativeDecoder`): yields its
+    URL and the completion tokens and verifications it served."""
+    served = {"completion_tokens": 0, "spec_verify_ct": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's naming)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            ids = torch.tensor([body["input_ids"]])
+            params = body["sampling_params"]
+            tokens, stats = decoder.generate(ids, max_new_tokens=params["max_new_tokens"])
+            meta = {"completion_tokens": len(tokens), "spec_verify_ct": stats.verifications}
+            served["completion_tokens"] += meta["completion_tokens"]
+            served["spec_verify_ct"] += meta["spec_verify_ct"]
+            payload = json.dumps({"text": "ok", "output_ids": tokens, "meta_info": meta}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", served
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

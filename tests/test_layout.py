@@ -11,6 +11,7 @@ import pytest
 PACKAGE = Path(__file__).parents[1] / "specforge"
 
 LAYERS = {
+    "specforge.docgen": 6,
     "specforge.cli": 5,
     "specforge.recipes": 4,
     "specforge.trainer": 3,
@@ -21,6 +22,7 @@ LAYERS = {
     "specforge.io": 0,
     "specforge.errors": 0,
     "specforge.distributed": 0,
+    "specforge.results": 0,
     "specforge.configs": 0,
     "specforge": 0,
 }

@@ -74,7 +74,7 @@ def quickstart_config(overrides: list[str] | None = None) -> SpecForgeConfig:
 
 DRAFTING_PASSES = 1.5
 """The bench's speculative pass over a turn, in passes of the target alone: it ran at 0.7-1.2x
-the target's speed on the CPUs measured (README), so 1.5 leaves a margin."""
+the target's speed on the CPUs measured (docs/results.md), so 1.5 leaves a margin."""
 
 TIMED_TOKENS = 32
 """Greedy tokens timed to estimate the bench's per-token cost (after one untimed warm-up)."""

@@ -2,8 +2,6 @@
 protocol, backed by our own speculative runtime on a tiny target."""
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ from specforge.cli import main
 from specforge.config import TargetConfig
 from specforge.serving.sglang_client import sglang_generate
 from specforge.serving.speculative import SpeculativeDecoder
+from tests.helpers import sglang_loopback
 
 
 @pytest.fixture
@@ -20,33 +19,8 @@ def server(tiny_target_dir):
 
     target, _ = load_target(TargetConfig(str(tiny_target_dir), dtype="float32"))
     decoder = SpeculativeDecoder(target, random_draft(target), aux_layer_ids=[1, 1, 0], num_steps=3)
-    served = {"completion_tokens": 0, "spec_verify_ct": 0}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's naming)
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            ids = torch.tensor([body["input_ids"]])
-            params = body["sampling_params"]
-            tokens, stats = decoder.generate(ids, max_new_tokens=params["max_new_tokens"])
-            meta = {"completion_tokens": len(tokens), "spec_verify_ct": stats.verifications}
-            served["completion_tokens"] += meta["completion_tokens"]
-            served["spec_verify_ct"] += meta["spec_verify_ct"]
-            payload = json.dumps({"text": "ok", "output_ids": tokens, "meta_info": meta}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", served
-    httpd.shutdown()
-    httpd.server_close()
+    with sglang_loopback(decoder) as url_and_counts:
+        yield url_and_counts
 
 
 def random_draft(target):

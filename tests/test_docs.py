@@ -1,0 +1,320 @@
+"""The documentation, checked: the README's size, the two generated pages, every documented
+``specforge`` and ``torchrun`` command line parsed by the real command line, the end-to-end
+"your model" example run on a tiny stand-in target, and no wording about how the project was
+made."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specforge.cli import parse_args, stage_config
+from specforge.config import ConfigError, load_config, recipe_path
+from specforge.docgen import main as docgen_main
+from specforge.docgen import pages
+from specforge.errors import UserError
+from specforge.results import PROVENANCE_KEYS, load_results
+from tests.helpers import REPO, sglang_loopback
+
+DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+RECIPES = sorted((REPO / "specforge" / "configs").glob("*.yaml"))
+PLACEHOLDERS = {"NODE_RANK": "0", "MASTER": "127.0.0.1"}
+"""Shell variables the documented commands use, with a value to parse them by."""
+SCRIPT_STAGES = {
+    "train_eagle3.py": "train",
+    "capture_hidden_states.py": "capture",
+    "prepare_data.py": "prepare",
+    "export_draft.py": "export",
+    "bench_accept_length.py": "bench",
+}
+"""``scripts/`` entry points and the subcommand each runs."""
+
+
+def test_readme_is_a_short_door():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 200
+    for page in ("quickstart", "concepts", "data", "training", "distributed"):
+        assert f"docs/{page}.md" in "\n".join(lines)
+    for page in ("export-and-serving", "bench-and-runtime", "architectures", "configuration"):
+        assert (REPO / "docs" / f"{page}.md").is_file()
+    for page in ("benchmarks", "troubleshooting", "results"):
+        assert (REPO / "docs" / f"{page}.md").is_file()
+
+
+def test_generated_pages_are_current():
+    for path, text in pages().items():
+        assert path.read_text() == text, f"{path} is stale: run python -m specforge.docgen"
+
+
+def test_the_staleness_check_bites(tmp_path, capsys):
+    """A results file whose figure changed makes ``--check`` fail, naming the results page;
+    without ``--check`` the page is rewritten and the check passes again."""
+    docs = tmp_path / "docs"
+    shutil.copytree(REPO / "docs", docs)
+    assert docgen_main(["--check", "--docs", str(docs)]) == 0
+    path = docs / "results" / "quickstart_cpu.json"
+    record = json.loads(path.read_text())
+    record["figures"]["eval tau_pred"] = 9.99
+    path.write_text(json.dumps(record))
+    assert docgen_main(["--check", "--docs", str(docs)]) == 1
+    assert "results.md is stale" in capsys.readouterr().err
+    assert docgen_main(["--docs", str(docs)]) == 0
+    assert "| eval tau_pred | 9.99 |" in (docs / "results.md").read_text()
+    assert docgen_main(["--check", "--docs", str(docs)]) == 0
+
+
+def test_every_results_file_says_where_it_was_measured():
+    records = load_results(REPO / "docs" / "results")
+    assert records
+    for stem, record in records:
+        assert all(record[key] for key in PROVENANCE_KEYS), stem
+        assert record["versions"]["torch"] and record["versions"]["transformers"], stem
+        if record.get("image"):
+            assert (REPO / "docs" / "results" / record["image"]).is_file(), stem
+
+
+def test_a_results_file_without_provenance_is_refused(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"title": "t", "summary": "s", "figures": {}}))
+    with pytest.raises(UserError, match="run.json.*needs"):
+        load_results(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every documented command line
+
+
+def shell_commands(text: str) -> list[str]:
+    """The command lines of a page: each line of its fenced code blocks (continuations joined,
+    ``&&`` chains split), and each inline code span that starts with ``specforge``."""
+    commands = []
+    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            commands += [part.strip() for part in line.split("&&")]
+    commands += re.findall(r"(?<!`)`(specforge [^`]+)`(?!`)", text)
+    return [c for c in commands if c.startswith(("specforge ", "torchrun "))]
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """``(where, command)`` for every ``specforge`` / ``torchrun`` line of the README, the docs
+    pages and the shipped recipes' opening lines."""
+    found = [(p.name, c) for p in DOC_FILES for c in shell_commands(p.read_text())]
+    for recipe in RECIPES:
+        first = recipe.read_text().splitlines()[0].removeprefix("# ")
+        found += [(recipe.name, part.strip()) for part in first.split("&&")]
+    return found
+
+
+def check_command(command: str) -> None:
+    """Parse a documented command with the real command line: unknown flags exit, unknown
+    config keys and bad values raise :class:`ConfigError`."""
+    words = shlex.split(os.path.expandvars(command), comments=True)
+    if words[0] == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        launch = get_args_parser().parse_args(words[1:])
+        words = [SCRIPT_STAGES[Path(launch.training_script).name], *launch.training_script_args]
+    else:
+        words = words[1:]
+    if "--help" in words:  # prints the help and exits 0
+        with pytest.raises(SystemExit) as exited:
+            parse_args(words)
+        assert exited.value.code == 0
+        return
+    args = parse_args(words)
+    try:
+        recipe_path(args.config) if args.config else None
+    except ConfigError:  # a placeholder such as FILE: check the flags and overrides alone
+        load_config(None, [*args.stage.overrides, *args.overrides])
+        args.config = None
+    stage_config(args)
+
+
+def test_documents_hold_commands():
+    where = {name for name, _ in documented_commands()}
+    assert {"README.md", "data.md", "training.md", "distributed.md"} <= where
+    assert {recipe.name for recipe in RECIPES} <= where
+
+
+@pytest.mark.parametrize(("where", "command"), documented_commands())
+def test_every_documented_command_parses(where, command, monkeypatch):
+    monkeypatch.chdir(REPO)
+    for name, value in PLACEHOLDERS.items():
+        monkeypatch.setenv(name, value)
+    check_command(command)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "specforge prepare --no-such-flag 1",
+        "specforge train --config configs/smollm2-135m-eagle3.yaml train.no_such_key=1",
+        "torchrun --nproc_per_node=1 scripts/train_eagle3.py --config FILE train.lr=fast",
+        "specforge quickstart --config FILE --num-steps -3",
+    ],
+)
+def test_the_command_check_rejects_unknown_flags_and_keys(command, monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises((SystemExit, ConfigError)):
+        check_command(command)
+
+
+# ---------------------------------------------------------------------------------------------
+# The end-to-end example, on a tiny stand-in target
+
+
+def example_block(marker: str) -> list[str]:
+    """The command lines of the fenced block after ``<!-- example: marker -->`` in the README."""
+    text = (REPO / "README.md").read_text()
+    start = text.index(f"<!-- example: {marker} -->")
+    block = text[start : text.index("```\n", text.index("```", start) + 3) + 4]
+    return [
+        line.strip()
+        for line in block.split("\n", 1)[1].replace("\\\n", " ").splitlines()
+        if line.strip() and not line.lstrip().startswith(("#", "```"))
+    ]
+
+
+def stand_in(tiny_target_dir: Path) -> list[str]:
+    """Overrides that make a real-size recipe run on the tiny target in seconds on a CPU."""
+    return [
+        f"target.name_or_path={tiny_target_dir}",
+        "target.device=cpu",
+        "target.dtype=float32",
+        "data.max_length=96",
+        "vocab.draft_vocab_size=64",
+        "train.max_steps=2",
+        "train.warmup_steps=0",
+        "train.dtype=float32",
+        "train.eval_fraction=0.25",
+        "train.eval_every=1",
+        "train.save_every=2",
+        "bench.max_new_tokens=8",
+    ]
+
+
+def write_example_inputs(folder: Path) -> None:
+    """``sharegpt.json`` and ``question.jsonl``, as the example names them."""
+    records = [
+        {
+            "id": f"c{i}",
+            "conversations": [
+                {"from": "human", "value": f"count to {i}"},
+                {"from": "gpt", "value": "one two three four five " * (1 + i % 3)},
+            ],
+        }
+        for i in range(8)
+    ]
+    (folder / "sharegpt.json").write_text(json.dumps(records))
+    question = {"question_id": 81, "category": "writing", "turns": ["write", "again"]}
+    (folder / "question.jsonl").write_text(json.dumps(question) + "\n")
+
+
+@pytest.mark.integration
+def test_the_your_model_example_runs_on_a_tiny_stand_in(tmp_path, tiny_target_dir, monkeypatch):
+    """The README's "your model on N GPUs" block, line by line, from a folder that holds only
+    the checkout's configs and scripts: prepare, torchrun training (one rank), export, and the
+    bench through SGLang's protocol, answered by a loopback server that runs the exported
+    draft. The serving engines' own launch lines are the ones not run here."""
+    from specforge.config import TargetConfig
+    from specforge.models.target import load_target
+    from specforge.serving.export import load_exported_draft
+    from specforge.serving.speculative import SpeculativeDecoder
+
+    lines = example_block("your-model")
+    assert [line.split()[0] for line in lines] == [
+        *("specforge", "torchrun", "specforge", "python", "vllm", "specforge")
+    ]
+    for name in ("configs", "scripts"):
+        (tmp_path / name).symlink_to(REPO / name)
+    write_example_inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    overrides = stand_in(tiny_target_dir)
+    run = [line for line in lines if line.startswith(("specforge", "torchrun"))]
+    prepare, train, export, bench = run
+    assert run_stage(prepare, overrides) == 0
+    words = shlex.split(train)
+    words = [w.replace("--nproc_per_node=8", "--nproc_per_node=1") for w in words[1:]]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", *words, *overrides],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert run_stage(export, overrides) == 0
+    export_dir = tmp_path / "outputs" / "llama3.1-8b-eagle3" / "export"
+    assert (export_dir / "model.safetensors").is_file() and (export_dir / "config.json").is_file()
+    target, _ = load_target(TargetConfig(str(tiny_target_dir), dtype="float32"))
+    draft = load_exported_draft(
+        export_dir,
+        target_config=target.config,
+        target_embedding=target.get_input_embeddings().weight,
+    )
+    decoder = SpeculativeDecoder(target, draft, aux_layer_ids=[1, 1, 0], num_steps=3)
+    with sglang_loopback(decoder) as (url, served):
+        bench = re.sub(r"--url \S+", f"--url {url}", bench)
+        assert run_stage(bench, overrides) == 0
+    result = json.loads((tmp_path / "outputs/llama3.1-8b-eagle3/bench/bench.json").read_text())
+    assert result["turns"] == 2
+    assert result["tau_sglang"] == pytest.approx(
+        served["completion_tokens"] / served["spec_verify_ct"]
+    )
+
+
+def run_stage(command: str, overrides: list[str]) -> int:
+    """Run a documented ``specforge`` line in-process with the stand-in overrides."""
+    args = parse_args([*shlex.split(command)[1:], *overrides])
+    return args.stage.run(args, stage_config(args))
+
+
+# ---------------------------------------------------------------------------------------------
+# The project describes itself
+
+
+CHRONICLE = re.compile(
+    r"\bstop \d+\b|\bsessions?\b|\bthe issue'?s?\b|\bthis machine\b", flags=re.IGNORECASE
+)
+"""Wording about how the project was made ("stop 40", "this session's Zen 4", "the issue's
+2.5"), which belongs in git history, not in the project."""
+
+
+def tracked_text_files() -> list[Path]:
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    suffixes = {".py", ".md", ".yaml", ".json", ".jsonl", ".cpp", ".toml", ".txt", ""}
+    return [
+        REPO / name
+        for name in listed
+        if Path(name).suffix in suffixes
+        and (REPO / name).is_file()
+        and name != "tests/test_docs.py"
+    ]
+
+
+def test_the_project_never_describes_how_it_was_made():
+    found = []
+    for path in tracked_text_files():
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+            if CHRONICLE.search(line):
+                found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()[:100]}")
+    assert found == []
+
+
+def test_the_wording_check_bites():
+    assert CHRONICLE.search("the kernel of stop 40")
+    assert CHRONICLE.search("this session's Zen 4")
+    assert CHRONICLE.search("The issue's 2.5 is not reached")
+    assert not CHRONICLE.search("stops at its 6000 steps")
