@@ -44,9 +44,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 def bfloat16_is_fast(device: str) -> bool:
     """Whether bfloat16 matmuls outrun float32 ones on ``device``: a CUDA GPU with bfloat16
     support, or a CPU with bfloat16 dot-product instructions: AMX tiles (Intel Sapphire Rapids
-    and later: ~4-6x float32 at 16+ rows) or AVX512-BF16 (AMD Zen 4/5, Intel Cooper Lake: ~3.4-4.4x
-    float32 at 16+ rows on a 2-core Zen 5, a 576x1536 linear). Without either, AVX-512 runs
-    bfloat16 at about half float32's speed and AVX2 at ~1/60."""
+    and later) or AVX512-BF16 (AMD Zen 4/5, Intel Cooper Lake). Without either, a CPU emulates
+    bfloat16 and runs it slower than float32."""
     kind = torch.device(device).type
     if kind == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -104,6 +103,10 @@ class ConfigError(UserError):
     """A config file or override names an unknown key or holds a value of the wrong type."""
 
 
+SUPPORTED_DEVICES = ("cpu", "cuda")
+"""The device types every stage runs on."""
+
+
 @dataclass
 class TargetConfig:
     """The frozen target model whose hidden states the draft learns from."""
@@ -120,8 +123,8 @@ class TargetConfig:
     trust_remote_code: bool = False
     """Allow model code from the checkpoint folder. Off unless you trust the source."""
     aux_layer_ids: list[int] | None = None
-    """Decoder layers whose output residual stream feeds the draft (DESIGN §3.1).
-    ``None`` means the default ``[1, L//2 - 1, L - 4]``."""
+    """Decoder layers whose output residual stream feeds the draft. ``None`` means the
+    default ``[1, L//2 - 1, L - 4]``, the layers SGLang and vLLM capture by default."""
     attn_implementation: str | None = None
     """The target's attention (``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2``,
     ...); ``None`` lets transformers choose (``sdpa`` where the model supports it, else
@@ -129,13 +132,21 @@ class TargetConfig:
     stage alike). Tree drafting needs one whose masks come from a mask function (not flash)."""
     prepack_linear: bool = True
     """On CPU in ``float32``, run the calls of up to 32 rows (decoding, verification, draft
-    steps) of the linear layers with at least 2^18 weights on weights oneDNN reordered once (up
-    to ~1.8x faster there; results agree to rounding, see
-    ``specforge/models/packed_linear.py``); in ``bfloat16``, where the CPU runs it natively,
-    calls of up to 2048 rows. Smaller layers, larger calls and other devices or dtypes keep
-    PyTorch's default. ``false`` keeps it everywhere."""
+    steps) of the linear layers with at least 2^18 weights on weights oneDNN reordered once
+    (results agree to rounding, see ``specforge/models/packed_linear.py``); in ``bfloat16``,
+    where the CPU runs it natively, calls of up to 2048 rows. Smaller layers, larger calls and
+    other devices or dtypes keep PyTorch's default. ``false`` keeps it everywhere."""
 
     def __post_init__(self) -> None:
+        try:
+            kind = torch.device(self.device).type
+        except RuntimeError:
+            kind = None
+        if kind not in SUPPORTED_DEVICES:
+            raise ConfigError(
+                f"target.device must be a CPU or CUDA device (cpu, cuda, cuda:1), got "
+                f"{self.device!r}"
+            )
         self.dtype = resolve_auto_dtype(self.dtype, self.device)
         if not self.name_or_path:
             raise ConfigError("target.name_or_path must not be empty")
@@ -223,7 +234,7 @@ class RegenerateConfig:
     (:mod:`specforge.models.decode_kernel`, built on first use with the system's C++ compiler,
     cached by PyTorch): ``auto`` where it builds and applies, else PyTorch's SDPA with a
     warning naming why; ``on``: an error instead of that fallback; ``off``: SDPA. Outputs agree
-    with SDPA's to float rounding (bf16: 2.2x faster attention at 256 rows on a 2-core CPU)."""
+    with SDPA's to float rounding."""
     temperature: float = 0.0
     """0 means greedy decoding; > 0 samples at this temperature."""
     top_p: float = 1.0
@@ -523,16 +534,14 @@ class BenchConfig:
     """Dtype the built-in runtime runs the draft in. It changes only which tokens the draft
     proposes: the target verifies each one, so every output stays the target's. ``auto``:
     ``bfloat16``, the dtype drafts are exported in, where it is fast on the target's device
-    (CUDA, or a CPU with AMX or AVX512-BF16: on a 2-core Zen 4, 7.2 instead of 7.9 ms of
-    drafting a round of ``auto`` at the same ``tau``), else ``float32``."""
+    (CUDA, or a CPU with AMX or AVX512-BF16), else ``float32``."""
     draft_quantize: Literal["auto", "int8", "none"] = "auto"
     """How the built-in runtime stores the draft's linear weights. ``int8``: int8 with one
     scale per output row, computed in bfloat16 (:mod:`specforge.models.int8_linear`; needs
-    ``draft_dtype`` bfloat16 on a CPU): half the bytes a draft step reads, and on a 2-core Zen
-    4 the draft's extension after a verification 2.0 instead of 5.5 ms. Like ``draft_dtype`` it
+    ``draft_dtype`` bfloat16 on a CPU): half the bytes a draft step reads. Like ``draft_dtype`` it
     changes only the proposals, never the outputs. ``auto``: ``int8`` where the draft runs in
     bfloat16 on a CPU that runs bfloat16 fast (as ``draft_dtype``'s ``auto`` decides) and this
-    PyTorch has the kernel, else ``none`` (CUDA keeps bfloat16 weights: not measured there)."""
+    PyTorch has the kernel, else ``none`` (CUDA keeps bfloat16 weights)."""
     system_prompt: str | None = None
     """A system message for every question; default: the chat template's own."""
     limit: int | None = None
@@ -543,9 +552,9 @@ class BenchConfig:
     target_compile: bool = False
     """The target alone (the baseline ``speedup`` is measured against, and the reference
     outputs) decodes with a static KV cache and ``torch.compile`` (compiled in the warm-up).
-    Off by default: on this CPU it is 1.30x HF's default on a few fixed prompts
-    (``benchmarks/baseline_decoding.py``) but 0.82x over MT-Bench's multi-turn prompts, where
-    transformers' static cache grows to each longer prompt and recompiles."""
+    Off by default: transformers' static cache grows to each longer prompt and recompiles, so
+    over multi-turn prompts it can be slower than the default (``benchmarks/baseline_decoding.py``
+    compares the two)."""
     output: str | None = None
     """Where ``bench.json``, ``bench.md`` and ``bench.png`` go; defaults to
     ``<output_dir>/bench``."""
@@ -627,10 +636,28 @@ class SpecForgeConfig:
         self.bench.draft_quantize = resolve_draft_quantize(
             self.bench.draft_quantize, self.bench.draft_dtype, self.target.device
         )
+        self._check_decode_kernel()
         if self.quickstart.data_share and self.regenerate.backend == "server":
             raise ConfigError(
                 "quickstart.data_share grows the corpus with prompts the target writes "
                 "in-process; regenerate.backend server cannot write them (set data_share null)"
+            )
+
+    def _check_decode_kernel(self) -> None:
+        """``regenerate.decode_kernel: on`` where the kernel would never run is an error, not a
+        setting that silently does nothing."""
+        if self.regenerate.decode_kernel != "on":
+            return
+        if self.target.attn_implementation is not None:
+            raise ConfigError(
+                "regenerate.decode_kernel on runs inside specforge's own attention, which "
+                "target.attn_implementation null selects; got target.attn_implementation "
+                f"{self.target.attn_implementation!r}"
+            )
+        if self.regenerate.backend != "continuous":
+            raise ConfigError(
+                "regenerate.decode_kernel on runs in the continuous backend only; got "
+                f"regenerate.backend {self.regenerate.backend!r}"
             )
 
     @property
@@ -672,6 +699,23 @@ class SpecForgeConfig:
 # Loading
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that names a key twice (by default the last one
+    wins silently, so a config could hold two values for one setting)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(
+                    f"key {key!r} appears twice in one mapping (lines {seen[key] + 1} and "
+                    f"{key_node.start_mark.line + 1}): keep one"
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None):
     """Build a :class:`SpecForgeConfig` from a YAML file plus dotted overrides.
 
@@ -689,9 +733,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         path = recipe_path(path)
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from None
         except UnicodeDecodeError as err:
             raise ConfigError(
                 f"{path}: not UTF-8 text ({err.reason} at byte {err.start})"
@@ -734,7 +780,11 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override must look like section.key=value, got {item!r}")
-    value = yaml.safe_load(text) if text.strip() else None
+    try:
+        value = yaml.load(text, Loader=UniqueKeyLoader) if text.strip() else None
+    except yaml.YAMLError as err:
+        reason = " ".join(str(err).split())
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({reason})") from None
     node = raw
     *parents, leaf = key.split(".")
     for part in parents:
@@ -762,6 +812,11 @@ def from_dict(cls: type, raw: Any, prefix: str = ""):
     return cls(**kwargs)
 
 
+YAML_BOOLEAN_WORDS = {True: ("on", "yes", "true"), False: ("off", "no", "false")}
+"""The words YAML reads as booleans: a choice field that offers one of them (``decode_kernel:
+on``) takes the boolean back as that word."""
+
+
 def _check(tp: Any, value: Any, key: str) -> Any:
     """Return ``value`` converted to type ``tp`` or raise a ConfigError naming ``key``."""
     origin = typing.get_origin(tp)
@@ -782,6 +837,9 @@ def _check(tp: Any, value: Any, key: str) -> Any:
         raise ConfigError(errors[0])
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool):  # YAML 1.1 reads on/off, yes/no as booleans
+            spellings = YAML_BOOLEAN_WORDS[value]
+            value = next((word for word in spellings if word in choices), value)
         if value not in choices:
             raise ConfigError(f"{key} must be one of {list(choices)}, got {value!r}")
         return value

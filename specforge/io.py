@@ -144,6 +144,21 @@ def file_problem(path: Path, sha256: str, size: int | None = None) -> str | None
     return None
 
 
+def read_safetensors(path: str | Path) -> dict[str, Any]:
+    """A safetensors file's tensors.
+
+    Raises:
+        UserError: a missing, truncated or damaged file, named.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise UserError(f"{path} cannot be read ({err}): truncated or damaged") from None
+
+
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temp file in the same folder (``.<name>.*.tmp``), fsync
     and rename."""
@@ -210,7 +225,11 @@ def atomic_directory(final: str | Path, *, replace: bool = True) -> Iterator[Pat
                     raise
         elif replace:
             old = Path(tempfile.mkdtemp(prefix=f".{final.name}-old-", dir=final.parent))
-            final.rename(old / final.name)
+            try:
+                final.rename(old / final.name)
+            except OSError:
+                old.rmdir()  # nothing was moved: leave no trace of the attempt
+                raise
             tmp.rename(final)
             shutil.rmtree(old)
     finally:

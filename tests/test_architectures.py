@@ -11,8 +11,10 @@ import json
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from specforge.config import load_config
+from specforge.data.vocab import load_vocab_map
 from specforge.errors import UserError
 from specforge.models.adapter import (
     draft_rope_parameters,
@@ -108,10 +110,13 @@ def check_greedy_equality(model, draft_vocab: int, name: str) -> None:
 def test_architecture_runs_the_pipeline_or_is_refused(name, tmp_path):
     folder = save_tiny_target(name, make_tiny_tokenizer(), tmp_path / "target")
     prepared = tmp_path / "prepared.jsonl"
-    # prepare: the target answers every user turn itself
-    prepare(config_for(folder, tmp_path))
+    # prepare: the target answers every user turn itself, and writes the draft vocabulary
+    vocab_output = tmp_path / "vocab.safetensors"
+    prepare(config_for(folder, tmp_path, f"prepare.vocab_output={vocab_output}"))
     rows = [json.loads(line) for line in prepared.read_text().splitlines()]
     assert len(rows) == len(CONVERSATIONS)
+    vocab_map = load_vocab_map(vocab_output)
+    assert vocab_map.t2d.numel() == text_config(AutoConfig.from_pretrained(folder)).vocab_size
     assert all(r["messages"][-1]["content"] != CONVERSATIONS[0][1]["content"] for r in rows)
     # 2 online steps, capture, 2 offline steps
     online = config_for(folder, tmp_path, f"train.data_path={prepared}", "train.max_steps=2")

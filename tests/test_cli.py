@@ -1,6 +1,20 @@
+import argparse
 import json
+from pathlib import Path
 
-from specforge.cli import build_parser, flag_overrides, main, stage_config
+import pytest
+
+from specforge.cli import (
+    FLAG_NAMES,
+    Stage,
+    add_config_arguments,
+    build_parser,
+    flag_overrides,
+    flag_table,
+    main,
+    parse_args,
+    stage_config,
+)
 from specforge.data.vocab import load_vocab_map
 
 
@@ -124,3 +138,30 @@ def test_train_without_prepared_data_says_to_run_prepare(tmp_path, tiny_target_d
     err = capsys.readouterr().err
     assert code == 2 and "specforge prepare" in err
     assert str(tmp_path / "run" / "conversations.jsonl") in err
+
+
+def test_dotted_overrides_are_never_a_flags_value():
+    """An override after a list flag or in a positional's place is an override, not a second
+    input or the checkpoint path."""
+    cfg = stage_config(parse_args(["prepare", "--data", "a.jsonl", "regenerate.max_new_tokens=64"]))
+    assert cfg.data.inputs == ["a.jsonl"] and cfg.regenerate.max_new_tokens == 64
+    cfg = stage_config(parse_args(["export", "export.dtype=float32"]))
+    assert cfg.export.checkpoint is None and cfg.export.dtype == "float32"
+    cfg = stage_config(parse_args(["export", "CKPT", "output_dir=o", "OUT"]))
+    assert (cfg.export.checkpoint, cfg.export.output, cfg.output_dir) == ("CKPT", "OUT", "o")
+
+
+def test_every_stages_flags_match_the_snapshot():
+    """Adding or renaming a config field cannot move a flag unnoticed: the flags of every
+    subcommand, and the field each sets, are pinned (update tests/cli_flags.json on purpose)."""
+    snapshot = json.loads((Path(__file__).parent / "cli_flags.json").read_text())
+    assert flag_table() == snapshot
+
+
+def test_two_fields_with_one_flag_name_are_an_error():
+    """A clash is never settled by section order: without an explicit name it is an error."""
+    stage = Stage(lambda args, cfg: 0, "both", ("regenerate", "synthesize"))
+    parser = argparse.ArgumentParser()
+    with pytest.raises(ValueError, match="--temperature would set both regenerate.temperature"):
+        add_config_arguments(parser, stage, {})
+    add_config_arguments(argparse.ArgumentParser(), stage, FLAG_NAMES)

@@ -1,5 +1,8 @@
+import dataclasses
 import re
+import typing
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -167,3 +170,92 @@ def test_malformed_yaml_is_a_config_error(tmp_path):
     path.write_bytes(b"train:\n  lr: \xff\n")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_config(path)
+
+
+def choice_fields():
+    """``(section, field, choice)`` for every choice a ``Literal`` config field documents
+    (alone, or beside another type: ``int | Literal["auto"]``)."""
+    found = []
+    hints = typing.get_type_hints(SpecForgeConfig)
+    for section in dataclasses.fields(SpecForgeConfig):
+        holder = hints[section.name]
+        if not dataclasses.is_dataclass(holder):
+            continue
+        for name, tp in typing.get_type_hints(holder).items():
+            for option in (tp, *typing.get_args(tp)):
+                if typing.get_origin(option) is Literal:
+                    found += [(section.name, name, c) for c in typing.get_args(option)]
+    return sorted(set(found))
+
+
+COMPANIONS = {
+    ("regenerate", "backend", "server"): ["regenerate.server_url=http://127.0.0.1:1/v1"],
+    ("bench", "draft_quantize", "int8"): ["bench.draft_dtype=bfloat16"],
+}
+"""Settings a choice needs beside it to be a valid config."""
+
+RESOLVED_AUTO = {
+    ("target", "dtype"): {"bfloat16", "float32"},
+    ("train", "dtype"): {"bfloat16", "float32"},
+    ("bench", "draft_dtype"): {"bfloat16", "float32"},
+    ("bench", "draft_quantize"): {"int8", "none"},
+}
+"""Fields whose ``auto`` is resolved when the config is built, and what it may become."""
+
+
+@pytest.mark.parametrize(("section", "name", "choice"), choice_fields())
+def test_every_documented_choice_loads_from_yaml_and_an_override(tmp_path, section, name, choice):
+    """Written as the docs write them, unquoted: YAML reads ``on`` / ``off`` as booleans, and
+    the field takes them back as its words."""
+    extra = COMPANIONS.get((section, name, choice), [])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"{section}:\n  {name}: {choice}\n")
+    expected = RESOLVED_AUTO.get((section, name)) if choice == "auto" else None
+    for cfg in (
+        load_config(recipe, extra),
+        load_config(None, [f"{section}.{name}={choice}", *extra]),
+    ):
+        value = getattr(getattr(cfg, section), name)
+        assert value in expected if expected else value == choice
+
+
+def test_a_yaml_boolean_that_is_no_choice_is_still_refused(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("data:\n  mode: on\n")
+    with pytest.raises(ConfigError, match="data.mode must be one of"):
+        load_config(recipe)
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ("target.attn_implementation=sdpa", "target.attn_implementation 'sdpa'"),
+        ("target.attn_implementation=eager", "target.attn_implementation 'eager'"),
+        ("regenerate.backend=static", "regenerate.backend 'static'"),
+    ],
+)
+def test_decode_kernel_on_where_it_cannot_run_is_refused(setting, named):
+    """``on`` promises the kernel: beside a setting that never reaches it, an error names both."""
+    with pytest.raises(ConfigError, match="regenerate.decode_kernel on") as refused:
+        load_config(None, ["regenerate.decode_kernel=on", setting])
+    assert named in str(refused.value)
+    load_config(None, ["regenerate.decode_kernel=auto", setting])
+    load_config(None, ["regenerate.decode_kernel=on"])
+
+
+@pytest.mark.parametrize("device", ["tpu", "mps", "cuda:x", "xla"])
+def test_an_unsupported_device_is_a_config_error_naming_it(device):
+    with pytest.raises(ConfigError, match=f"target.device .* got '{re.escape(device)}'"):
+        load_config(None, [f"target.device={device}"])
+
+
+def test_a_key_written_twice_is_refused(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("train:\n  lr: 1.0e-4\n  max_steps: 3\n  lr: 2.0e-4\n")
+    with pytest.raises(ConfigError, match="'lr' appears twice .*lines 2 and 4"):
+        load_config(recipe)
+
+
+def test_an_override_that_is_not_yaml_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"override 'train.lr=\[1': the value is not valid YAML"):
+        load_config(None, ["train.lr=[1"])

@@ -20,6 +20,7 @@ from specforge.data.conversations import Conversation
 from specforge.data.hidden_states import read_manifest, verify_capture
 from specforge.data.questions import AUTO, BUILTIN_EVAL, resolve_question_set
 from specforge.errors import UserError
+from specforge.io import file_sha256
 from specforge.recipes.capture import capture
 from specforge.recipes.train import train
 from specforge.trainer.metrics import MetricsLog
@@ -39,6 +40,14 @@ def run(tmp_path, peaked_target_dir):
     out = tmp_path / "run"
     train(tiny_train_config(folder, data, out, "train.max_steps=2", "train.save_every=1"))
     return folder, data, out
+
+
+def record_checksums(checkpoint) -> None:
+    """Record the sha256 of a checkpoint's files as they are now (as its writer would)."""
+    state_path = checkpoint / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    state["sha256"] = {name: file_sha256(checkpoint / name) for name in state["sha256"]}
+    state_path.write_text(json.dumps(state))
 
 
 def offline_cfg(folder, data, out, *extra) -> SpecForgeConfig:
@@ -99,6 +108,7 @@ def test_export_refuses_non_finite_weights(run, tmp_path, capsys):
     tensors = load_file(weights)
     tensors["fc.weight"][0, 0] = float("nan")
     save_file(tensors, str(weights))
+    record_checksums(weights.parent)  # as a run that diverged would have written them
     assert main(["export", str(weights.parent), str(tmp_path / "export")]) == 2
     assert "fc.weight: holds NaN or infinite values" in capsys.readouterr().err
     assert not (tmp_path / "export").exists()
@@ -227,7 +237,7 @@ def test_a_truncated_checkpoint_is_named_on_export(run, tmp_path, capsys):
     weights.write_bytes(weights.read_bytes()[:200])
     assert main(["export", str(weights.parent), str(tmp_path / "export")]) == 2
     err = capsys.readouterr().err
-    assert "draft.safetensors cannot be read" in err and "Traceback" not in err
+    assert "draft.safetensors is corrupted or truncated" in err and "Traceback" not in err
 
 
 # -- 11. clear errors instead of tracebacks -----------------------------------------------------
@@ -238,13 +248,14 @@ def test_an_unknown_key_in_draft_config_is_named(run, tmp_path, capsys):
     checkpoint = out / "checkpoints" / "step_2"
     config = json.loads((checkpoint / "draft_config.json").read_text())
     (checkpoint / "draft_config.json").write_text(json.dumps({**config, "colour": "blue"}))
+    record_checksums(checkpoint)  # as a checkpoint written by a build with such a key
     assert main(["export", str(checkpoint), str(tmp_path / "export")]) == 2
     assert "unknown draft config keys ['colour']" in capsys.readouterr().err
 
 
 def test_an_unavailable_device_is_named(tiny_target_dir, capsys):
     if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
+        pytest.skip("a GPU is present")
     code = main(["prepare", "--target", str(tiny_target_dir), "--regenerate", "--device", "cuda"])
     assert code == 2 and "device 'cuda' is not available here" in capsys.readouterr().err
 
@@ -424,3 +435,105 @@ def test_prepare_and_training_write_the_same_vocab_map(tmp_path, tiny_target_dir
         )
     )
     assert (tmp_path / "v.safetensors").read_bytes() == (out / "vocab_map.safetensors").read_bytes()
+
+
+# -- 12. bad input that ended in a traceback or was silently accepted ---------------------------
+
+
+def one_line_error(capsys) -> str:
+    """The command's error line (progress bars may precede it); no traceback."""
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert "Traceback" not in err and len(errors) == 1, err
+    return errors[0]
+
+
+def test_export_of_a_checkpoint_without_its_state_file_is_named(run, tmp_path, capsys):
+    _, _, out = run
+    checkpoint = out / "checkpoints" / "step_2"
+    (checkpoint / "trainer_state.json").unlink()
+    assert main(["export", str(checkpoint), str(tmp_path / "export")]) == 2
+    assert "no trainer_state.json" in one_line_error(capsys)
+
+
+def test_export_refuses_weights_that_differ_from_their_checksum(run, tmp_path, capsys):
+    """256 overwritten bytes, same size: the weights still load, so only the recorded sha256
+    tells, and export must read it as resume does."""
+    _, _, out = run
+    weights = out / "checkpoints" / "step_2" / "draft.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-600:-344] = bytes(256)
+    weights.write_bytes(bytes(data))
+    assert main(["export", str(weights.parent), str(tmp_path / "export")]) == 2
+    assert "draft.safetensors is corrupted or truncated" in one_line_error(capsys)
+    assert not (tmp_path / "export").exists()
+
+
+def test_export_below_a_file_is_named(run, tmp_path, capsys):
+    _, _, out = run
+    (tmp_path / "afile.txt").write_text("mine")
+    target = tmp_path / "afile.txt" / "sub"
+    assert main(["export", str(out / "checkpoints" / "step_2"), str(target)]) == 2
+    assert "afile.txt is a file, not a directory" in one_line_error(capsys)
+    assert (tmp_path / "afile.txt").read_text() == "mine"
+
+
+def test_export_into_the_current_directory_is_refused_and_leaves_nothing(
+    run, tmp_path, capsys, monkeypatch
+):
+    _, _, out = run
+    here = tmp_path / "empty"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["export", str(out / "checkpoints" / "step_2"), "."]) == 2
+    assert "holds the current directory" in one_line_error(capsys)
+    assert (
+        list(here.iterdir()) == []
+        and [p.name for p in tmp_path.iterdir() if "-old-" in p.name] == []
+    )
+
+
+def test_a_damaged_manifest_is_named(tmp_path, peaked_target_dir, capsys):
+    folder, data = peaked_target_dir
+    cfg = offline_cfg(folder, data, tmp_path / "off", "train.max_steps=1")
+    capture(cfg)
+    manifest = tmp_path / "off" / "hs" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:50])
+    assert main(["capture", "--verify", str(manifest.parent)]) == 2
+    assert "manifest.json is not valid JSON" in one_line_error(capsys)
+    with pytest.raises(UserError, match="manifest.json is not valid JSON"):
+        train(cfg)
+
+
+def test_training_on_a_raw_sharegpt_file_says_to_prepare_it(tmp_path, peaked_target_dir):
+    folder, data = peaked_target_dir
+    raw = tmp_path / "sharegpt.jsonl"
+    turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+    raw.write_text(json.dumps({"id": "a", "conversations": turns}) + "\n")
+    cfg = tiny_train_config(folder, data, tmp_path / "run", f"train.data_path={raw}")
+    with pytest.raises(
+        UserError, match=r"sharegpt.jsonl: line 1 is not a prepared .*specforge prepare"
+    ):
+        train(cfg)
+
+
+def test_a_truncated_export_given_to_bench_is_named(run, tmp_path, capsys):
+    folder, _, out = run
+    export_dir = tmp_path / "export"
+    assert main(["export", str(out / "checkpoints" / "step_2"), str(export_dir)]) == 0
+    weights = export_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:300])
+    capsys.readouterr()
+    code = main(["bench", "--target", str(folder), "--draft", str(export_dir), "--limit", "1"])
+    assert code == 2
+    assert "model.safetensors cannot be read" in one_line_error(capsys)
+
+
+def test_prepare_into_an_existing_folder_is_named(tmp_path, tiny_target_dir, capsys):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    code = main(
+        ["prepare", "--target", str(tiny_target_dir), "--limit", "2", "--output", str(folder)]
+    )
+    assert code == 2
+    assert f"the output {folder} is a directory" in one_line_error(capsys)

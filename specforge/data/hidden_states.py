@@ -271,7 +271,7 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
 
     Raises:
         UserError: no manifest (the capture never finished: rerun the same command).
-        UserError: not a specforge capture, or a newer format.
+        UserError: not a specforge capture, a newer format, or a damaged file.
     """
     path = Path(directory) / MANIFEST
     if not path.is_file():
@@ -279,7 +279,15 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
             f"{path} not found: the capture is missing or unfinished (rerun `specforge capture` "
             "with the same settings; it resumes)"
         )
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as err:  # a truncated or hand-edited file
+        raise UserError(
+            f"{path} is not valid JSON ({err}): the capture's manifest is damaged (rerun "
+            "`specforge capture` with the same settings into a new directory)"
+        ) from None
+    if not isinstance(manifest, dict):
+        raise UserError(f"{path}: a manifest is a JSON object, got {type(manifest).__name__}")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise UserError(
             f"{path}: not a {FORMAT} v{VERSION} manifest "

@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from specforge.data.conversations import Conversation, read_conversations
+from specforge.data.conversations import Conversation, MalformedRecord, read_conversations
 from specforge.data.prompts import builtin_conversations
 from specforge.errors import UserError
+from specforge.io import iter_jsonl
 
 
 def source_prefixes(sources: list[str]) -> list[str]:
@@ -89,3 +90,22 @@ def require_prepared(path: Path) -> Path:
             "(or point train.data_path at a conversations file)"
         )
     return Path(path)
+
+
+def read_prepared(path: Path) -> list[Conversation]:
+    """The conversations ``specforge prepare`` wrote to ``path``.
+
+    Raises:
+        UserError: the file is missing, or a line is not a prepared record (a raw dataset file
+            given where prepare's output belongs), naming the line.
+    """
+    conversations = []
+    for number, record in iter_jsonl(require_prepared(path)):
+        try:
+            conversations.append(Conversation.from_record(record))
+        except MalformedRecord as err:
+            raise UserError(
+                f"{path}: line {number} is not a prepared conversation ({err}); training reads "
+                "what `specforge prepare` writes: run it on this file first"
+            ) from None
+    return conversations

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from specforge.errors import UserError
+from specforge.io import read_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ def save_vocab_map(vocab_map: VocabMap, path: str | Path) -> None:
 
 def load_vocab_map(path: str | Path) -> VocabMap:
     """Read and check a map written by :func:`save_vocab_map`."""
-    tensors = load_file(str(path))
+    tensors = read_safetensors(path)
     missing = {"d2t", "t2d"} - set(tensors)
     if missing:
         raise UserError(f"{path}: not a vocab map, missing {sorted(missing)}")

@@ -18,7 +18,12 @@ from specforge.io import iter_jsonl
 from specforge.models.target import load_target_config, load_tokenizer
 from specforge.serving.advice import sglang_advice
 from specforge.serving.export import write_export
-from specforge.trainer.checkpoint import latest_checkpoint, load_draft, read_trainer_state
+from specforge.trainer.checkpoint import (
+    checkpoint_problem,
+    latest_checkpoint,
+    load_draft,
+    read_trainer_state,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +80,14 @@ def export(cfg: SpecForgeConfig) -> Path:
     """Export the checkpoint ``cfg`` names to ``cfg.export_dir``; returns the directory.
 
     Raises:
-        UserError: no checkpoint, a checkpoint that does not fit, or an output directory that
-            holds something other than a previous export.
+        UserError: no checkpoint, a checkpoint whose files differ from the checksums it
+            recorded or that does not fit, or an output directory that holds something other
+            than a previous export.
     """
     checkpoint = checkpoint_to_export(cfg)
     state = read_trainer_state(checkpoint)
+    if (problem := checkpoint_problem(checkpoint)) is not None:
+        raise UserError(f"cannot export {checkpoint}: {problem}")
     target = trained_target(state, cfg)
     model = load_draft(checkpoint)
     out = write_export(

@@ -29,7 +29,7 @@ from specforge.data.synthesize import synthesize_conversations
 from specforge.data.vocab import save_vocab_map, vocab_map_from_samples
 from specforge.errors import UserError
 from specforge.io import read_jsonl, write_json_atomic, write_jsonl_atomic
-from specforge.models.adapter import architecture, recurrent_layers
+from specforge.models.adapter import architecture, recurrent_layers, text_config
 from specforge.models.target import (
     load_generation_config,
     load_target,
@@ -57,6 +57,11 @@ def prepare(cfg: SpecForgeConfig) -> PrepareResult:
         ``<output>.stats.json``.
     """
     output = cfg.conversations_path
+    if output.is_dir():
+        raise UserError(
+            f"the output {output} is a directory: name the conversations file to write "
+            f"(e.g. {output / 'conversations.jsonl'})"
+        )
     for source in cfg.data.inputs:
         if Path(source).resolve() in (output.resolve(), partial_path(output).resolve()):
             raise UserError(
@@ -168,7 +173,7 @@ def _write_vocab_map(cfg: SpecForgeConfig, tokenizer, samples) -> dict:
     train_samples, _ = split_train_eval(samples, cfg.train.eval_fraction)
     vocab_map, counts = vocab_map_from_samples(
         train_samples,
-        vocab_size=load_target_config(cfg.target).vocab_size,
+        vocab_size=text_config(load_target_config(cfg.target)).vocab_size,
         draft_vocab_size=cfg.vocab.draft_vocab_size,
         end_of_turn=end_of_turn_ids(tokenizer, load_generation_config(cfg.target)),
     )

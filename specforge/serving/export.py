@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from specforge import __version__
 from specforge.config import torch_dtype
 from specforge.data.vocab import VocabMap
 from specforge.errors import UserError
-from specforge.io import atomic_directory, write_json_atomic, write_text_atomic
+from specforge.io import atomic_directory, read_safetensors, write_json_atomic, write_text_atomic
 from specforge.models.adapter import draft_rope_parameters, text_config
 from specforge.models.eagle3 import (
     FROZEN_WEIGHTS,
@@ -322,11 +322,20 @@ def write_export(
 
 def check_replaceable(out_dir: Path) -> None:
     """Refuse to write an export over anything but nothing, an empty folder, or a previous
-    export (whose marker lists every entry in it).
+    export (whose marker lists every entry in it); or where it cannot be written: below a
+    file, or as the current directory (or one that holds it).
 
     Raises:
         ExportError: naming what is there.
     """
+    blocked = next((p for p in out_dir.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ExportError(f"cannot write {out_dir}: {blocked} is a file, not a directory")
+    if Path.cwd().resolve().is_relative_to(out_dir.resolve()):
+        raise ExportError(
+            f"cannot write the export as {out_dir}: it holds the current directory, which "
+            "cannot be replaced; name a folder inside it (e.g. ./export)"
+        )
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
@@ -384,7 +393,7 @@ def load_exported_draft(
     config = Eagle3Config.from_dict(
         {k: v for k, v in exported.items() if k in fields}, str(config_path)
     )
-    tensors = load_file(str(export_dir / "model.safetensors"))
+    tensors = read_safetensors(export_dir / "model.safetensors")
     float_dtype = tensors["fc.weight"].dtype if "fc.weight" in tensors else torch.bfloat16
     check_export_tensors(tensors, config, float_dtype)
     model = Eagle3DraftModel(config)

@@ -18,11 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from specforge.errors import UserError
-from specforge.io import atomic_directory, file_problem, file_sha256, write_json_atomic
+from specforge.io import (
+    atomic_directory,
+    file_problem,
+    file_sha256,
+    read_safetensors,
+    write_json_atomic,
+)
 from specforge.models.eagle3 import (
     FROZEN_WEIGHTS,
     Eagle3Config,
@@ -109,12 +114,17 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     """A checkpoint's ``trainer_state.json`` (the step and the config it was trained with).
 
     Raises:
-        UserError: ``path`` is not a checkpoint folder.
+        UserError: ``path`` is not a checkpoint folder, or its state file is missing or damaged.
     """
     path = Path(path)
     if not (path / "draft.safetensors").is_file():
         raise UserError(f"{path} is not a training checkpoint (no draft.safetensors)")
-    return json.loads((path / "trainer_state.json").read_text())
+    try:
+        return json.loads((path / "trainer_state.json").read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path} is not a complete checkpoint (no trainer_state.json)") from None
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path}/trainer_state.json cannot be read ({err})") from None
 
 
 def load_draft(path: Path) -> Eagle3DraftModel:
@@ -124,20 +134,8 @@ def load_draft(path: Path) -> Eagle3DraftModel:
     config_path = path / "draft_config.json"
     config = Eagle3Config.from_dict(json.loads(config_path.read_text()), str(config_path))
     model = Eagle3DraftModel(config)
-    load_draft_weights(model, read_weights(path / "draft.safetensors"), str(path))
+    load_draft_weights(model, read_safetensors(path / "draft.safetensors"), str(path))
     return model
-
-
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors.
-
-    Raises:
-        UserError: a truncated or damaged file, named.
-    """
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError) as err:
-        raise UserError(f"{path} cannot be read ({err}): truncated or damaged") from None
 
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer=None) -> dict[str, Any]:
@@ -146,7 +144,7 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer=None) -> di
     Raises:
         UserError: damaged files or weights that do not fit, naming the checkpoint.
     """
-    load_draft_weights(model, read_weights(path / "draft.safetensors"), str(path))
+    load_draft_weights(model, read_safetensors(path / "draft.safetensors"), str(path))
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         rng = torch.load(path / "rng.pt", weights_only=True)

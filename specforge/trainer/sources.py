@@ -22,12 +22,10 @@ from specforge.data.chat import (
     set_chat_template,
     tokenize_conversations,
 )
-from specforge.data.conversations import Conversation
 from specforge.data.hidden_states import HiddenStateStore, check_manifest_matches
-from specforge.data.sources import require_prepared
+from specforge.data.sources import read_prepared
 from specforge.distributed import Distributed, shard_decoder_layers
 from specforge.errors import UserError
-from specforge.io import read_jsonl
 from specforge.models.adapter import LogitTransform
 from specforge.models.eagle3 import Eagle3DraftModel
 from specforge.models.target import (
@@ -97,12 +95,11 @@ def load_training_samples(cfg: SpecForgeConfig, tokenizer):
     """Tokenized conversations of ``train.data_path`` (or what prepare wrote).
 
     Raises:
-        UserError: the file is missing (run ``specforge prepare`` first) or holds no
-            conversation with assistant tokens.
+        UserError: the file is missing (run ``specforge prepare`` first), is not prepare's
+            output, or holds no conversation with assistant tokens.
     """
-    path = require_prepared(cfg.training_data_path)
-    records = read_jsonl(path)
-    conversations = [Conversation.from_record(r) for r in records]
+    path = cfg.training_data_path
+    conversations = read_prepared(path)
     samples, stats = tokenize_conversations(
         tokenizer,
         conversations,
