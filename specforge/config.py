@@ -214,6 +214,9 @@ class RegenerateConfig:
     connection, HTTP 429 / 5xx, a cut or non-JSON body), with exponential backoff."""
     retry_backoff_s: float = 1.0
     """Server backend: the first retry waits this long, each next one twice as long."""
+    request_timeout_s: float = 600.0
+    """Server backend: seconds one request may take before it counts as failed (and is
+    retried); long answers from a loaded server need more."""
     max_new_tokens: int = 256
     """Longest answer generated per user turn."""
     batch_size: int | Literal["auto"] = 16
@@ -254,6 +257,10 @@ class RegenerateConfig:
             raise ConfigError(f"regenerate.batch_size must be >= 1, got {self.batch_size}")
         if self.rows_per_span != "auto" and self.rows_per_span < 1:
             raise ConfigError(f"regenerate.rows_per_span must be >= 1, got {self.rows_per_span}")
+        if self.request_timeout_s <= 0:
+            raise ConfigError(
+                f"regenerate.request_timeout_s must be > 0, got {self.request_timeout_s}"
+            )
         if self.concurrency < 1 or self.retries < 0 or self.retry_backoff_s < 0:
             raise ConfigError(
                 "regenerate.concurrency must be >= 1, retries and retry_backoff_s >= 0, got "
@@ -283,6 +290,10 @@ class RegenerateConfig:
             raise ConfigError(f"regenerate.top_p must be in (0, 1], got {self.top_p}")
 
 
+MAX_SYNTHESIZE = 10_000_000
+"""The most prompts one ``specforge prepare --synthesize`` run may ask for."""
+
+
 @dataclass
 class SynthesizeConfig:
     """Prompts the target writes itself (``specforge prepare --synthesize N``; "Magpie")."""
@@ -308,9 +319,10 @@ class SynthesizeConfig:
     """Attempt ``a`` samples with a generator seeded from ``(seed, a)``."""
 
     def __post_init__(self) -> None:
-        for name in ("count",):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"synthesize.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.count <= MAX_SYNTHESIZE:
+            raise ConfigError(
+                f"synthesize.count must be in 0..{MAX_SYNTHESIZE:,}, got {self.count}"
+            )
         for name in ("max_prompt_tokens", "min_words", "batch_size", "max_attempts_factor"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"synthesize.{name} must be >= 1, got {getattr(self, name)}")

@@ -160,6 +160,25 @@ def test_control_strings_in_content_are_skipped_and_counted(tiny_tokenizer):
     assert stats.skipped_control_text == 1 and stats.as_dict()["skipped_control_text"] == 1
 
 
+def test_added_special_tokens_in_content_are_screened_too(tiny_tokenizer):
+    """A tokenizer may mark added tokens special without naming them (SmolLM2's
+    ``<file_sep>``): their text in a message is a control token as well."""
+    from tokenizers import AddedToken
+
+    tiny_tokenizer.add_tokens([AddedToken("<file_sep>", special=True)], special_tokens=True)
+    assert "<file_sep>" not in tiny_tokenizer.all_special_tokens
+    planted = Conversation(
+        "planted",
+        [{"role": "user", "content": "a<file_sep>b"}, {"role": "assistant", "content": "c"}],
+    )
+    answered = Conversation(
+        "answered",
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "c<file_sep>"}],
+    )
+    samples, stats = tokenize_conversations(tiny_tokenizer, [planted, answered], max_length=64)
+    assert samples == [] and stats.skipped_control_text == 2
+
+
 # -- 7, 8. an output folder of another run; resuming on other data ------------------------------
 
 

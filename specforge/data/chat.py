@@ -102,11 +102,20 @@ def end_of_turn_ids(tokenizer, generation_config=None) -> list[int]:
     return sorted(int(i) for i in ids)
 
 
+def control_tokens(tokenizer) -> list[str]:
+    """The text of every token a tokenizer treats as special: its named special tokens and
+    every added token marked special (SmolLM2 adds 14 beyond the three it names, such as
+    ``<file_sep>``), since each of them tokenizes as one control id wherever it appears."""
+    added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    return sorted({t for t in [*tokenizer.all_special_tokens, *added] if t})
+
+
 def control_text_in(tokenizer, messages: list[dict[str, str]]) -> str | None:
-    """The first special token text (``<|im_start|>``, ``<|eot_id|>``...) that a message's
-    content holds, else ``None``. Content is text; such a string would tokenize as a control
-    token, so the conversation is skipped and counted instead."""
-    specials = [t for t in tokenizer.all_special_tokens if t]
+    """The first special token text (``<|im_start|>``, ``<|eot_id|>``, ``<file_sep>``...) that
+    a message's content holds, else ``None`` (:func:`control_tokens`). Content is text; such a
+    string would tokenize as a control token, so the conversation is skipped and counted
+    instead."""
+    specials = control_tokens(tokenizer)
     for message in messages:
         found = next((t for t in specials if t in message["content"]), None)
         if found is not None:

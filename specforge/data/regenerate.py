@@ -362,6 +362,7 @@ def run_server(model, run: Regeneration, states, progress: tqdm, start: float) -
         top_p=cfg.top_p,
         retries=cfg.retries,
         backoff_s=cfg.retry_backoff_s,
+        timeout_s=cfg.request_timeout_s,
     )
 
     def converse(state: ConversationState) -> ConversationState:

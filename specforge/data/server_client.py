@@ -106,7 +106,8 @@ def parse_completion(payload: Any, url: str) -> ChatAnswer:
     """The first choice of an OpenAI chat completion.
 
     Raises:
-        UserError: the payload is not one.
+        UserError: the payload is not one, or its content is empty (an empty answer would be
+            written as the target's own).
     """
     try:
         choice = payload["choices"][0]
@@ -117,4 +118,12 @@ def parse_completion(payload: Any, url: str) -> ChatAnswer:
     if not isinstance(text, str):
         raise UserError(f"{url}: the answer has no text content")
     tokens = (payload.get("usage") or {}).get("completion_tokens") or 0
+    if not text.strip():
+        elsewhere = [k for k in ("reasoning_content", "reasoning") if choice["message"].get(k)]
+        where = f" (its text is in {elsewhere[0]!r})" if elsewhere else ""
+        raise UserError(
+            f"{url}: the answer's content is empty{where} after {tokens} generated tokens; a "
+            "server whose reasoning parser moves the text out of 'content' cannot self-distill: "
+            "serve the target without one"
+        )
     return ChatAnswer(text.strip(), finish_reason, int(tokens))

@@ -38,7 +38,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specforge.config import SynthesizeConfig
-from specforge.data.chat import end_of_turn_ids, pad_id_of, render, with_system_prompt
+from specforge.data.chat import (
+    control_tokens,
+    end_of_turn_ids,
+    pad_id_of,
+    render,
+    with_system_prompt,
+)
 from specforge.data.conversations import Conversation
 from specforge.data.generation import (
     Completion,
@@ -170,6 +176,17 @@ def in_key_order(completions: Iterable[Completion], first: int) -> Iterator[Comp
             first += 1
 
 
+ROUND_BATCHES = 8
+"""A round of attempts fills the batch at most this many times over, so asking for many
+prompts holds a bounded list of requests, not one per attempt up front."""
+
+
+def attempts_to_ask(wanted: int, batch_size: int) -> int:
+    """The attempts of the next round: the prompts still wanted plus a quarter for those that
+    will be dropped, at most :data:`ROUND_BATCHES` batches."""
+    return min(wanted + wanted // 4 + 1, ROUND_BATCHES * batch_size)
+
+
 def prompts_path(output: Path) -> Path:
     """Where the synthesized prompts of ``output`` are kept."""
     return output.with_name(output.stem + ".prompts.jsonl")
@@ -183,8 +200,7 @@ def synthesize_conversations(
     path = prompts_path(Path(output))
     kept = read_jsonl(path, repair=True)
     report = SynthesisReport(requested=cfg.count, already_done=len(kept))
-    specials = [t for t in tokenizer.all_special_tokens if t]
-    prompt_filter = PromptFilter(cfg, specials)
+    prompt_filter = PromptFilter(cfg, control_tokens(tokenizer))
     for record in kept:
         prompt_filter.accept(record["prompt"])
     prefix = user_turn_prefix(tokenizer, system_prompt)
@@ -200,10 +216,10 @@ def synthesize_conversations(
     start = time.perf_counter()
     progress = tqdm(total=cfg.count, initial=min(len(kept), cfg.count), desc="synthesize")
     while len(kept) < cfg.count and report.attempts < cfg.max_attempts_factor * cfg.count:
-        wanted = cfg.count - len(kept)
-        # over-ask a little (some prompts are dropped); listed last attempt first, since the
-        # batcher takes equal-length prompts from the end: the lowest attempts start first
-        asked = range(attempt, attempt + wanted + wanted // 4 + 1)
+        # over-ask a little (some prompts are dropped), a bounded round at a time; listed last
+        # attempt first, since the batcher takes equal-length prompts from the end: the lowest
+        # attempts start first
+        asked = range(attempt, attempt + attempts_to_ask(cfg.count - len(kept), cfg.batch_size))
         pending = [Request(a, prefix, seed=zlib.crc32(f"{cfg.seed}:{a}".encode())) for a in asked]
         pending.reverse()
         # decided in attempt order (deterministic) as soon as the earlier attempts are, so

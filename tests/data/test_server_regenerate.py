@@ -4,7 +4,9 @@ refused connection. Nothing already written is lost."""
 
 import json
 import socket
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -15,13 +17,19 @@ from specforge.data.regenerate import partial_path
 
 class ChatServer(ThreadingHTTPServer):
     """Answers ``POST /v1/chat/completions`` with "re: <last user text>"; ``faults`` lists what
-    to do with the next requests (``ok``, ``500``, ``400``, ``cut``, ``garbage``), then ``ok``."""
+    to do with the next requests (``ok``, ``500``, ``400``, ``cut``, ``garbage``, ``empty``: the
+    text in ``reasoning_content`` as a reasoning parser puts it, ``slow``: answer after 2 s),
+    then ``ok``."""
 
     def __init__(self):
         super().__init__(("127.0.0.1", 0), Handler)
         self.faults: list[str] = []
         self.requests: list[dict] = []
         self.lock = threading.Lock()
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], BrokenPipeError | ConnectionResetError):
+            super().handle_error(request, client_address)  # a client that gave up is expected
 
     @property
     def url(self) -> str:
@@ -45,13 +53,13 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b'{"error": "injected"}')
             return
         question = body["messages"][-1]["content"]
+        message = {"role": "assistant", "content": f"re: {question}"}
+        if fault == "empty":
+            message = {**message, "content": "", "reasoning_content": message["content"]}
+        if fault == "slow":
+            time.sleep(2)
         answer = {
-            "choices": [
-                {
-                    "message": {"role": "assistant", "content": f"re: {question}"},
-                    "finish_reason": "stop",
-                }
-            ],
+            "choices": [{"message": message, "finish_reason": "stop"}],
             "usage": {"completion_tokens": 3},
         }
         payload = json.dumps(answer).encode()
@@ -169,3 +177,26 @@ def test_cut_bodies_that_never_recover_are_an_error(
     args = ("regenerate.concurrency=1", "regenerate.retries=1")
     assert prepare(tiny_target_dir, conversations, out, server.url, *args) == 2
     assert "no answer after 2 tries" in capsys.readouterr().err
+
+
+def test_an_empty_answer_is_refused_not_written(
+    tmp_path, tiny_target_dir, server, conversations, capsys
+):
+    """A server whose reasoning parser moves the text out of ``content`` answers with empty
+    content: that is an error naming where the text went, and no empty answer is written."""
+    server.faults = ["empty"] * 20
+    out = tmp_path / "out.jsonl"
+    assert prepare(tiny_target_dir, conversations, out, server.url) == 2
+    err = capsys.readouterr().err
+    assert "the answer's content is empty (its text is in 'reasoning_content')" in err
+    assert not out.exists()
+    assert not partial_path(out).exists() or read(partial_path(out)) == []
+
+
+def test_the_request_timeout_is_a_setting(tmp_path, tiny_target_dir, server, conversations, capsys):
+    server.faults = ["slow"] * 20
+    out = tmp_path / "out.jsonl"
+    args = ("regenerate.retries=0", "regenerate.request_timeout_s=0.3")
+    assert prepare(tiny_target_dir, conversations, out, server.url, *args) == 2
+    err = capsys.readouterr().err
+    assert "no answer after 1 tries" in err and "timed out" in err.lower()

@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from specforge.cli import main
 from specforge.config import SynthesizeConfig
 from specforge.data.generation import Completion
 from specforge.data.synthesize import (
+    ROUND_BATCHES,
     PromptFilter,
+    attempts_to_ask,
     in_key_order,
     mt_bench_run_hashes,
     run_hash,
@@ -87,3 +90,15 @@ def test_completions_are_released_in_attempt_order_as_soon_as_the_earlier_ones_a
         events.append(f"out {completion.key}")
     assert events == ["in 7", "in 5", "out 5", "in 6", "out 6", "out 7", "in 9", "in 8", "out 8",
                       "out 9"]  # fmt: skip
+
+
+def test_many_prompts_are_asked_for_a_bounded_round_at_a_time():
+    """Asking for a billion prompts holds a few batches of requests, not a billion up front."""
+    assert attempts_to_ask(10**9, 64) == ROUND_BATCHES * 64
+    assert attempts_to_ask(40, 64) == 40 + 10 + 1  # a small ask: all of it, a quarter over
+
+
+def test_an_absurd_synthesize_count_is_refused_at_once(tiny_target_dir, capsys):
+    code = main(["prepare", "--target", str(tiny_target_dir), "--synthesize", "1000000000"])
+    assert code == 2
+    assert "synthesize.count must be in 0..10,000,000, got 1000000000" in capsys.readouterr().err
