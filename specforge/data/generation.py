@@ -20,7 +20,8 @@ their own (seeded per request), so a request's answer does not depend on which o
 share its batch. The generated token ids are returned as the target produced them.
 
 Works for decoder-only HF models whose cache is a per-layer ``keys``/``values`` pair (the
-Llama family and most others); recurrent or sliding-window caches need the ``static`` backend.
+Llama family and most others, sliding-window layers included: every column is kept and the
+model's own mask applies the window); recurrent layers need the ``static`` backend.
 """
 
 from __future__ import annotations

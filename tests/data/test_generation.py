@@ -274,3 +274,38 @@ def test_auto_batch_size_fits_the_cache_in_its_share_of_free_memory(tiny_target)
     assert auto_batch_size(model, tokens, free_bytes=room_for_3) == 3
     assert auto_batch_size(model, tokens, free_bytes=per_row) == 1
     assert auto_batch_size(model, tokens, free_bytes=1 << 50) == AUTO_ROWS["cpu"]
+
+
+@pytest.mark.parametrize("name", ["mistral_window", "gemma2", "gpt_oss"])
+def test_continuous_batching_of_a_windowed_target_equals_one_prompt_at_a_time(
+    tiny_tokenizer, name, tmp_path
+):
+    """Sliding-window targets through the continuous batcher: prompts and answers longer than
+    the window, rows joining and leaving, token for token what ``generate`` gives each prompt
+    alone (whose cache applies the window itself)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.architectures import WINDOW, save_tiny_target
+
+    folder = save_tiny_target(name, tiny_tokenizer, tmp_path / name)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    use_grouped_sdpa(model)
+    eos = [tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    prompts = [
+        [3 + (i * 7 + j) % 60 for j in range(length)]
+        for i, length in enumerate([WINDOW + 5, 3, WINDOW - 1, 2 * WINDOW, 9])
+    ]
+    new_tokens = 2 * WINDOW
+    settings = GenerationSettings(
+        max_new_tokens=new_tokens, eos_ids=eos, pad_id=0, max_batch_size=3, rows_per_span=3
+    )
+    pending = [Request(i, p) for i, p in enumerate(prompts)]
+    answers = {c.key: c.tokens for c in ContinuousBatcher(model, settings).run(pending)}
+    for i, prompt in enumerate(prompts):
+        assert answers[i] == one_at_a_time(model, prompt, new_tokens, eos), i
+    # the window shapes these answers: without it the same weights answer otherwise
+    no_window = None if name == "mistral_window" else 4096
+    unwindowed = AutoModelForCausalLM.from_pretrained(folder, sliding_window=no_window).eval()
+    assert any(
+        answers[i] != one_at_a_time(unwindowed, p, new_tokens, eos) for i, p in enumerate(prompts)
+    )
