@@ -12,6 +12,11 @@ right after a 3-token verification took 2.0 ms, against 5.5 with prepacked bfloa
 3.3 with prepacked float32 ones (a profile put the bfloat16 draft's linear layers at 3.3 of its
 5.5 ms there, the int8 ones at 0.9).
 
+Why not torchao's int8 weight-only quantization: on a CPU it reaches this same kernel, and for
+one call per layer it would add a large dependency with its own PyTorch version pins. The op is
+private to PyTorch, so ``tests/models/test_private_ops.py`` pins its signature and what it
+computes: a PyTorch that changes it fails there first.
+
 Only the draft's proposals change (by int8 rounding of its weights): the target verifies every
 proposed token, so the runtime's outputs stay the target's. Over many rows the kernel is slower
 than bfloat16's matrix product (300 rows of the 1728-wide ``fc``: 3.9 against 1.5 ms), which

@@ -27,6 +27,12 @@ instead of 32.5, and the draft's (read from memory, not cache) 1.26 instead of 1
 results bit-identical to the default's there; from 64 rows on the gain is under 15% (3% at
 2048 rows), which batched regeneration and prefills take too (:data:`MAX_PACKED_ROWS_BF16`).
 
+Why private ops: PyTorch's public route to them is ``torch.compile`` with frozen weights, which
+compiles once per input shape, while decoding, verification and draft steps change their row
+count every round. The ops are private, so ``tests/models/test_private_ops.py`` pins their
+signatures and results: a PyTorch that changes them fails there first, and
+:func:`packed_linear_available` keeps the default where they are missing.
+
 :func:`prepack_linears` swaps a model's ``nn.Linear`` modules for :class:`PackedLinear`, which
 shares their parameters (tied weights stay tied, ``state_dict`` is unchanged) and falls back to
 ``F.linear`` wherever the packed path does not apply: gradients, another device or dtype, more

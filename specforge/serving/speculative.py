@@ -615,7 +615,11 @@ class SpeculativeDecoder:
         generator: torch.Generator | None = None,
     ) -> tuple[list[int], SpecStats]:
         """Generate up to ``max_new_tokens`` after ``input_ids`` (1, T), stopping after an EOS.
-        ``generator`` seeds sampling (``temperature > 0``).
+        ``generator`` seeds sampling (``temperature > 0``): at a fixed depth the same seed gives
+        the same tokens. Under ``num_steps="auto"`` the depth of each round follows measured
+        wall-clock costs, and the depth decides how many random numbers a round draws, so a
+        sampled ``auto`` run is reproducible in distribution (lossless) but not token for
+        token; greedy ``auto`` outputs are always the target's.
 
         Returns:
             The new token ids (EOS included when generated) and the round statistics.

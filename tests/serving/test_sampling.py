@@ -218,3 +218,29 @@ def test_tree_acceptor_follows_the_child_the_target_draws():
     # the target wants 7 at the root: no child matches, nothing accepted
     target_probs[0] = point_mass(7)
     assert accept_tree_sampling(tree, target_probs, generator) == ([], 7)
+
+
+@pytest.mark.parametrize(("topk", "num_steps", "num_draft_tokens"), [(1, 3, None), (2, 2, 4)])
+def test_a_fixed_depth_sampled_run_is_reproducible_from_its_seed(
+    models, topk, num_steps, num_draft_tokens
+):
+    """What the runtime promises for sampling (``SpeculativeDecoder``'s docstring): at a fixed
+    depth the same seed gives the same tokens; ``auto``, whose depth follows wall-clock costs,
+    only the same distribution."""
+    target, draft = models
+    runs = []
+    for _ in range(2):
+        decoder = SpeculativeDecoder(
+            target,
+            draft,
+            aux_layer_ids=[1, 1, 0],
+            num_steps=num_steps,
+            topk=topk,
+            num_draft_tokens=num_draft_tokens,
+            temperature=TEMPERATURE,
+        )
+        generator = torch.Generator().manual_seed(7)
+        runs.append(
+            [decoder.generate(PROMPT, max_new_tokens=12, generator=generator)[0] for _ in range(5)]
+        )
+    assert runs[0] == runs[1] and len({tuple(t) for t in runs[0]}) > 1
