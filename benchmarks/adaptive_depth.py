@@ -37,6 +37,7 @@ from specforge.config import load_config, resolve_draft_quantize, torch_dtype
 from specforge.data.chat import end_of_turn_ids, prompt_ids
 from specforge.data.questions import ask_turns, load_questions, resolve_question_set
 from specforge.recipes.bench import build_comparison, load_bench_draft
+from specforge.recipes.stage import start_stage
 from specforge.results import write_result
 from specforge.serving.bench import BenchTally, round_costs
 from specforge.serving.speculative import SpeculativeDecoder
@@ -120,6 +121,7 @@ def run(args) -> None:
             *args.overrides,
         ],
     )
+    cfg = start_stage(cfg)  # the running machine's auto values, as the bench resolves them
     comparison, tokenizer = build_comparison(cfg)
     base = comparison.decoder
     default_form = "int8" if cfg.bench.draft_quantize == "int8" else cfg.bench.draft_dtype

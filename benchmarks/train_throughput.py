@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specforge.config import load_config
+from specforge.config import load_config, resolve_auto
 from specforge.io import read_jsonl
 from specforge.recipes.train import train
 from specforge.results import write_result
@@ -64,8 +64,8 @@ def main() -> None:
         "config": args.config,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "device": cfg.target.device,
-        "target_dtype": cfg.target.dtype,
-        "train_dtype": cfg.train.dtype,
+        "target_dtype": resolve_auto(cfg).target.dtype,
+        "train_dtype": resolve_auto(cfg).train.dtype,
         "ttt_length": cfg.train.ttt_length,
         "draft_vocab_size": cfg.vocab.draft_vocab_size,
         "max_length": cfg.data.max_length,

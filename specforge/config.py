@@ -116,8 +116,8 @@ class TargetConfig:
     dtype: DtypeOrAuto = "bfloat16"
     """Weights and compute dtype of the target. Exact-equality checks want ``float32``.
     ``auto``: ``bfloat16`` where it is the faster one (a CUDA GPU, a CPU with AMX or
-    AVX512-BF16), else ``float32``; resolved when the config is built, so every stage sees the
-    concrete name."""
+    AVX512-BF16), else ``float32``; resolved on the machine a stage runs on, when it starts,
+    and recorded in its outputs."""
     device: str = "cpu"
     """Torch device for the target (``cpu``, ``cuda``, ``cuda:1``)."""
     trust_remote_code: bool = False
@@ -147,7 +147,6 @@ class TargetConfig:
                 f"target.device must be a CPU or CUDA device (cpu, cuda, cuda:1), got "
                 f"{self.device!r}"
             )
-        self.dtype = resolve_auto_dtype(self.dtype, self.device)
         if not self.name_or_path:
             raise ConfigError("target.name_or_path must not be empty")
         if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
@@ -429,7 +428,7 @@ class TrainConfig:
     """Gradients are clipped to this global norm."""
     dtype: Literal["float32", "bfloat16", "auto"] = "bfloat16"
     """Autocast dtype of the draft's forward (weights and optimizer stay float32). ``auto``:
-    as ``target.dtype``'s ``auto``, on the target's device (resolved with the whole config)."""
+    as ``target.dtype``'s ``auto``, on the target's device (resolved when training starts)."""
     seed: int = 0
     """Seed of the draft's initialisation and of the data order."""
     eval_fraction: float = 0.05
@@ -642,12 +641,8 @@ class SpecForgeConfig:
     """Directory for everything the recipe writes."""
 
     def __post_init__(self) -> None:
-        # the draft trains on the target's device: train.dtype's auto asks that device
-        self.train.dtype = resolve_auto_dtype(self.train.dtype, self.target.device)
-        self.bench.draft_dtype = resolve_auto_dtype(self.bench.draft_dtype, self.target.device)
-        self.bench.draft_quantize = resolve_draft_quantize(
-            self.bench.draft_quantize, self.bench.draft_dtype, self.target.device
-        )
+        if self.bench.draft_quantize == "int8" and self.bench.draft_dtype != "auto":
+            resolve_draft_quantize("int8", self.bench.draft_dtype, self.target.device)
         self._check_decode_kernel()
         if self.quickstart.data_share and self.regenerate.backend == "server":
             raise ConfigError(
@@ -705,6 +700,30 @@ class SpecForgeConfig:
         if self.capture.output:
             return Path(self.capture.output)
         return Path(self.output_dir) / "hidden_states"
+
+
+def resolve_auto(cfg: SpecForgeConfig) -> SpecForgeConfig:
+    """``cfg`` with its hardware-dependent ``auto`` values made concrete for the running machine:
+    ``target.dtype``, ``train.dtype`` (the draft trains on the target's device),
+    ``bench.draft_dtype`` and ``bench.draft_quantize``. A loaded config keeps ``auto``, so it
+    means the same on every machine; each stage resolves it when it starts and records the
+    result in its outputs. Concrete values are kept as they are.
+
+    Raises:
+        ConfigError: ``bench.draft_quantize: int8`` with a draft dtype or device it cannot run.
+    """
+    device = cfg.target.device
+    draft_dtype = resolve_auto_dtype(cfg.bench.draft_dtype, device)
+    return dataclasses.replace(
+        cfg,
+        target=dataclasses.replace(cfg.target, dtype=resolve_auto_dtype(cfg.target.dtype, device)),
+        train=dataclasses.replace(cfg.train, dtype=resolve_auto_dtype(cfg.train.dtype, device)),
+        bench=dataclasses.replace(
+            cfg.bench,
+            draft_dtype=draft_dtype,
+            draft_quantize=resolve_draft_quantize(cfg.bench.draft_quantize, draft_dtype, device),
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specforge.config import TargetConfig, torch_dtype
+from specforge.config import TargetConfig, resolve_auto_dtype, torch_dtype
 from specforge.data.kv_cache import cache_kwargs, current_row_spans
 from specforge.distributed import check_device
 from specforge.errors import UserError
@@ -321,9 +321,16 @@ def resolve_target_path(name_or_path: str, dtype: str = "bfloat16") -> str:
     return str(path) if path.exists() else name_or_path
 
 
+def target_dtype(target: TargetConfig, dtype: str | None = None) -> str:
+    """The dtype name a target loads in: ``dtype``, else ``target.dtype``, with ``auto``
+    resolved for the running machine (stages pass configs already resolved; this covers direct
+    callers)."""
+    return resolve_auto_dtype(dtype or target.dtype, target.device)
+
+
 def _pretrained(target: TargetConfig, dtype: str | None = None) -> tuple[str, dict]:
     """The folder (or hub id) and the keyword arguments every ``from_pretrained`` call takes."""
-    path = resolve_target_path(target.name_or_path, dtype or target.dtype)
+    path = resolve_target_path(target.name_or_path, target_dtype(target, dtype))
     return path, {"trust_remote_code": target.trust_remote_code}
 
 
@@ -388,7 +395,7 @@ def load_target(
     """
     from transformers import AutoModelForCausalLM
 
-    dtype = dtype or target.dtype
+    dtype = target_dtype(target, dtype)
     torch_dtype(dtype)  # an unknown name is a user error before any loading
     check_device(str(device or target.device))
     path, kwargs = _pretrained(target, dtype)
@@ -590,7 +597,7 @@ def load_target_head(target: TargetConfig, *, device: str | torch.device = "cpu"
     missing += [name for name in norm_names if norm_names[name] not in norm_weights]
     if missing:
         raise UserError(f"{path}: the checkpoint has no {missing}")
-    dtype = torch_dtype(target.dtype)
+    dtype = torch_dtype(target_dtype(target))
     text = text_config(config)
     width = text.hidden_size
     return TargetHead(

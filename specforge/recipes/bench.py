@@ -24,6 +24,7 @@ from specforge.models.adapter import text_config
 from specforge.models.int8_linear import quantize_linears
 from specforge.models.packed_linear import prepack_linears
 from specforge.models.target import load_target, load_tokenizer
+from specforge.recipes.stage import start_stage
 from specforge.serving.bench import BenchTally, MethodComparison, bench_report, write_report
 from specforge.serving.export import exported_aux_layer_ids, load_exported_draft
 from specforge.serving.speculative import SpeculativeDecoder
@@ -96,6 +97,7 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
     Raises:
         UserError: a missing draft or URL, or an unreadable question set.
     """
+    cfg = start_stage(cfg)
     bc = cfg.bench
     questions_source = resolve_question_set(bc.questions)
     if bc.engine == "sglang":

@@ -42,6 +42,7 @@ from specforge.models.target import (
     target_fingerprint,
     target_hidden_states,
 )
+from specforge.recipes.stage import start_stage
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ def capture_shard(
 
 def capture(cfg: SpecForgeConfig) -> CaptureResult:
     """Run the capture stage described by ``cfg`` (see the module docstring)."""
+    cfg = start_stage(cfg)
     clock = time.perf_counter()
     ranks = setup_distributed(cfg.target.device)
     try:

@@ -16,6 +16,7 @@ from specforge.config import SpecForgeConfig, TargetConfig, from_dict
 from specforge.errors import UserError
 from specforge.io import iter_jsonl
 from specforge.models.target import load_target_config, load_tokenizer
+from specforge.recipes.stage import start_stage
 from specforge.serving.advice import sglang_advice
 from specforge.serving.export import write_export
 from specforge.trainer.checkpoint import (
@@ -84,6 +85,7 @@ def export(cfg: SpecForgeConfig) -> Path:
             recorded or that does not fit, or an output directory that holds something other
             than a previous export.
     """
+    cfg = start_stage(cfg)
     checkpoint = checkpoint_to_export(cfg)
     state = read_trainer_state(checkpoint)
     if (problem := checkpoint_problem(checkpoint)) is not None:

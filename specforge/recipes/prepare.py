@@ -36,6 +36,7 @@ from specforge.models.target import (
     load_target_config,
     load_tokenizer,
 )
+from specforge.recipes.stage import start_stage
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ def prepare(cfg: SpecForgeConfig) -> PrepareResult:
         The output path, statistics and per-step timings; the statistics are also written to
         ``<output>.stats.json``.
     """
+    cfg = start_stage(cfg)
     output = cfg.conversations_path
     if output.is_dir():
         raise UserError(

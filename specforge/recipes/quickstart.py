@@ -41,6 +41,7 @@ from specforge.models.target import load_target
 from specforge.recipes.bench import bench
 from specforge.recipes.export import export
 from specforge.recipes.prepare import prepare
+from specforge.recipes.stage import start_stage
 from specforge.recipes.train import train
 from specforge.serving.bench import greedy_generate
 
@@ -225,6 +226,7 @@ def _train_budget(cfg: SpecForgeConfig, prepare_seconds: float) -> SpecForgeConf
 
 def quickstart(cfg: SpecForgeConfig) -> QuickstartResult:
     """Run prepare -> train -> export -> bench as ``cfg`` describes (see the module docstring)."""
+    cfg = start_stage(cfg)
     result = QuickstartResult(bench={})
     # 1. prepare (growing the corpus within quickstart.data_share)
     start = time.perf_counter()

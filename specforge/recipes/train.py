@@ -42,6 +42,7 @@ from specforge.models.eagle3 import (
     build_draft_model,
     init_from_target_layer,
 )
+from specforge.recipes.stage import start_stage
 from specforge.trainer.checkpoint import (
     checkpoint_steps,
     latest_sound_checkpoint,
@@ -119,7 +120,7 @@ class TrainingRun:
         return getattr(self.objective, "module", self.objective)
 
     def autocast(self):
-        assert self.cfg.train.dtype != "auto", "SpecForgeConfig resolves train.dtype"
+        assert self.cfg.train.dtype != "auto", "train() resolves train.dtype when it starts"
         enabled = self.cfg.train.dtype == "bfloat16"
         device_type = torch.device(self.device).type
         return torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=enabled)
@@ -352,6 +353,7 @@ def train(cfg: SpecForgeConfig, *, stop_after_step: int | None = None) -> TrainR
     Returns:
         The last train and eval metrics and the last checkpoint.
     """
+    cfg = start_stage(cfg)
     run = setup(cfg)
     try:
         return _loop(run, min(cfg.train.max_steps, stop_after_step or cfg.train.max_steps))

@@ -182,7 +182,14 @@ def _joined(pending, new):
 
 
 class SpeculativeDecoder:
-    """Chain (``topk=1``) or tree drafting with greedy verification, one sequence at a time."""
+    """Chain (``topk=1``) or tree drafting with greedy or sampling verification, one sequence
+    at a time.
+
+    Sampling at a fixed depth is reproducible from the generator's seed, token for token. Under
+    ``num_steps="auto"`` each round's depth follows measured wall-clock costs and decides how
+    many random numbers the round draws, so a sampled ``auto`` run is reproducible in
+    distribution (lossless) but not token for token; greedy outputs are always the target's.
+    """
 
     def __init__(
         self,
@@ -615,11 +622,7 @@ class SpeculativeDecoder:
         generator: torch.Generator | None = None,
     ) -> tuple[list[int], SpecStats]:
         """Generate up to ``max_new_tokens`` after ``input_ids`` (1, T), stopping after an EOS.
-        ``generator`` seeds sampling (``temperature > 0``): at a fixed depth the same seed gives
-        the same tokens. Under ``num_steps="auto"`` the depth of each round follows measured
-        wall-clock costs, and the depth decides how many random numbers a round draws, so a
-        sampled ``auto`` run is reproducible in distribution (lossless) but not token for
-        token; greedy ``auto`` outputs are always the target's.
+        ``generator`` seeds sampling (``temperature > 0``; reproducibility: the class docstring).
 
         Returns:
             The new token ids (EOS included when generated) and the round statistics.

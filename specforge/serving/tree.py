@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -197,37 +198,20 @@ def verification_inputs(tree: DraftTree, root_token: int, last_position: int):
     return ids, positions, visible
 
 
-@contextmanager
-def tree_attention(model, positions: torch.Tensor, visible: torch.Tensor, prefix: int):
-    """While active, the target's forward over ``N`` new tokens after ``prefix`` cached ones
-    builds every attention mask (full, sliding-window, chunked: each layer type its own) from
-    the model's own mask function evaluated at the new tokens' ``positions`` (N,), and lets new
-    token ``i`` see new token ``j`` only where ``visible[i, j]``; the cached prefix stays
-    visible as the mask function says.
+@dataclass
+class _TreeMask:
+    """What the mask builders of one tree verification need (see :func:`tree_attention`)."""
 
-    The model's mask builder for its attention implementation is wrapped for the duration (and
-    restored after). A forward that never asked for a mask (a model that builds masks some other
-    way) raises rather than verify with a plain causal mask.
+    prefix: int
+    position_of: torch.Tensor
+    """Cache index -> position: (prefix + N,)."""
+    visible: torch.Tensor
+    """(N, N): new token ``i`` sees new token ``j``."""
+    calls: list[str]
 
-    Raises:
-        UserError: an attention implementation whose masks ignore mask functions (flash), or a
-            model that built no mask through transformers' mask interface.
-    """
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    def at_positions(self, mask_function):
+        prefix, position_of, visible = self.prefix, self.position_of, self.visible
 
-    refusal = tree_refusal(model)
-    if refusal:
-        raise UserError(refusal)
-    implementation = model.config._attn_implementation
-    mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-    base = mapping[implementation]
-    device = positions.device
-    # cache index -> position: the prefix sits at its own indices, the new tokens at theirs
-    # (prefix,) + (N,) -> (prefix + N,)
-    position_of = torch.cat([torch.arange(prefix, device=device), positions.to(device)])
-    calls = []
-
-    def at_positions(mask_function):
         def inner(batch_idx, head_idx, q_idx, kv_idx):
             new_q = (q_idx - prefix).clamp(min=0)
             new_kv = (kv_idx - prefix).clamp(min=0)
@@ -236,17 +220,70 @@ def tree_attention(model, positions: torch.Tensor, visible: torch.Tensor, prefix
 
         return inner
 
-    def tree_mask(*args, mask_function, **kwargs):
-        calls.append(implementation)
-        kwargs["allow_is_causal_skip"] = False
-        return base(*args, mask_function=at_positions(mask_function), **kwargs)
 
-    mapping[implementation] = tree_mask
+_ACTIVE_TREE: ContextVar[_TreeMask | None] = ContextVar("specforge_tree_mask", default=None)
+"""The tree verification running in this thread or task, if any (set by
+:func:`tree_attention` only)."""
+
+
+def _register_tree_masks(implementation: str) -> None:
+    """Wrap the mask builder of ``implementation`` once, through transformers' public
+    ``AttentionMaskInterface.register``: the wrapper passes every call through unchanged unless
+    a :func:`tree_attention` block is active in the calling thread (a ``ContextVar``), so other
+    models and threads build their masks as before."""
+    from transformers import AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    base = ALL_MASK_ATTENTION_FUNCTIONS[implementation]
+    if getattr(base, "specforge_tree_masks", False):
+        return
+
+    @functools.wraps(base)
+    def tree_masks(*args, mask_function, **kwargs):
+        tree = _ACTIVE_TREE.get()
+        if tree is None:
+            return base(*args, mask_function=mask_function, **kwargs)
+        tree.calls.append(implementation)
+        kwargs["allow_is_causal_skip"] = False
+        return base(*args, mask_function=tree.at_positions(mask_function), **kwargs)
+
+    tree_masks.specforge_tree_masks = True
+    AttentionMaskInterface.register(implementation, tree_masks)
+
+
+@contextmanager
+def tree_attention(model, positions: torch.Tensor, visible: torch.Tensor, prefix: int):
+    """While active, the target's forward over ``N`` new tokens after ``prefix`` cached ones
+    builds every attention mask (full, sliding-window, chunked: each layer type its own) from
+    the model's own mask function evaluated at the new tokens' ``positions`` (N,), and lets new
+    token ``i`` see new token ``j`` only where ``visible[i, j]``; the cached prefix stays
+    visible as the mask function says.
+
+    The model's mask builder is wrapped once through transformers' mask interface
+    (:func:`_register_tree_masks`); the tree itself lives in a ``ContextVar`` for the duration
+    of the block, so concurrent forwards in other threads are untouched. A forward that never
+    asked for a mask (a model that builds masks some other way) raises rather than verify with
+    a plain causal mask.
+
+    Raises:
+        UserError: an attention implementation whose masks ignore mask functions (flash), or a
+            model that built no mask through transformers' mask interface.
+    """
+    refusal = tree_refusal(model)
+    if refusal:
+        raise UserError(refusal)
+    _register_tree_masks(model.config._attn_implementation)
+    device = positions.device
+    # cache index -> position: the prefix sits at its own indices, the new tokens at theirs
+    # (prefix,) + (N,) -> (prefix + N,)
+    position_of = torch.cat([torch.arange(prefix, device=device), positions.to(device)])
+    tree = _TreeMask(prefix, position_of, visible, calls=[])
+    token = _ACTIVE_TREE.set(tree)
     try:
         yield
     finally:
-        mapping[implementation] = base
-    if not calls:
+        _ACTIVE_TREE.reset(token)
+    if not tree.calls:
         raise UserError(
             f"{architecture(model.config)} built no attention mask through transformers' mask "
             "interface, so a tree cannot be verified on it; draft a chain (topk 1)"

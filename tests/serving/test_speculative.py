@@ -234,3 +234,35 @@ def test_pruned_tree_puts_the_greedy_chain_first_and_parents_before_children():
     assert tree.tokens.tolist() == [100, 102, 105, 101, 104]
     assert tree.parents.tolist() == [-1, 0, 1, -1, 3]
     assert tree.depths.tolist() == [1, 2, 3, 1, 2]
+
+
+def test_a_tree_verification_leaves_other_threads_masks_alone(target):
+    """While one thread verifies a tree, another thread's forward on a model of the same
+    attention implementation builds its ordinary causal mask: the tree lives in a context
+    variable, not in transformers' process-wide mask registry."""
+    import threading
+
+    from specforge.serving.tree import tree_attention
+
+    other = make_tiny_llama(VOCAB, num_layers=4, seed=5, initializer_range=0.2).float()
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = other(ids).logits
+    inside, done, seen = threading.Event(), threading.Event(), {}
+
+    def plain_forward():
+        inside.wait()
+        with torch.no_grad():
+            seen["logits"] = other(ids).logits
+        done.set()
+
+    thread = threading.Thread(target=plain_forward)
+    thread.start()
+    visible = torch.eye(3, dtype=torch.bool)  # three siblings: none sees another
+    with tree_attention(target, torch.tensor([4, 4, 4]), visible, prefix=4):
+        inside.set()
+        assert done.wait(60)
+        with torch.no_grad():
+            target(torch.randint(0, VOCAB, (1, 7)))  # the tree's own forward, masked as a tree
+    thread.join()
+    torch.testing.assert_close(seen["logits"], expected, rtol=0, atol=0)
