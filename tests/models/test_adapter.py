@@ -211,3 +211,31 @@ def test_a_target_configured_without_cache_is_still_served(tmp_path):
     model, _ = tiny("llama", tmp_path)
     model.config.use_cache = False  # the probe asks for the cache explicitly
     assert serving_refusal(model) is None
+
+
+@pytest.mark.parametrize("bend", ["scale", "softcap"])
+def test_an_undeclared_transform_is_refused_in_bfloat16_too(tmp_path, bend):
+    """In bfloat16 a loose check would pass a model that scales its logits by 1.04x or
+    soft-caps them at a moderate value without declaring it; verification would then use a
+    distribution that is not the model's. The check holds each logit to bfloat16 rounding."""
+    from transformers import LlamaForCausalLM
+
+    model, _ = tiny("llama", tmp_path)
+    model = model.to(torch.bfloat16)
+    check_logits(model)  # the plain model passes in bfloat16
+    largest = model(input_ids=torch.arange(1, 9)[None] * 7).logits.abs().max().item()
+
+    class BentLlama(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            if bend == "scale":
+                out.logits = out.logits * 1.04
+            else:  # a cap at three times the largest logit bends the top ones by ~3.6%
+                cap = 3 * largest
+                out.logits = torch.tanh(out.logits / cap) * cap
+            return out
+
+    bent = BentLlama(model.config).to(torch.bfloat16).eval()
+    bent.load_state_dict(model.state_dict())
+    with pytest.raises(UserError, match="llama.*logits differ"):
+        check_logits(bent)
