@@ -1,27 +1,39 @@
 """Decode attention on CPU through a small C++ kernel (``csrc/decode_attention.cpp``), built on
-first use with ``torch.utils.cpp_extension`` and cached by PyTorch (``~/.cache/torch_extensions``
-or ``TORCH_EXTENSIONS_DIR``).
+first use with ``torch.utils.cpp_extension`` into a folder of its own
+(``<TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions>/specforge_decode_attention-<hash>``, the
+hash of the source, the flags and the PyTorch version, so a changed kernel never meets an old
+build).
 
 Why: self-distillation's continuous batching decodes one position for hundreds of rows a step,
-and PyTorch's CPU flash kernel runs that shape as many tiny matrix products: on a 2-core Zen 4
-EPYC, bf16, 256 rows with ~180 of 300 cached keys real, a layer's attention took 6.0 ms through
-SDPA (16-row spans) and 2.7 ms here; 128 rows 3.1 and 0.95 ms. Per row and key head the kernel
-reads each unmasked key and value row once (converting bf16 to float32 in registers), scores the
-group's query heads against it in float32, and takes the softmax in float32 (SDPA's CPU kernel
-rounds the probabilities to bf16 before weighting the values), so results agree with SDPA to
-float rounding (tested).
+and PyTorch's CPU flash kernel runs that shape as many tiny matrix products. Per row and key
+head the kernel reads each unmasked key and value row once (converting bf16 to float32 in
+registers), scores the group's query heads against it in float32, and takes the softmax in
+float32 (SDPA's CPU kernel rounds the probabilities to bf16 before weighting the values), so
+results agree with SDPA to float rounding (tested). ``benchmarks/prepare_stages.py
+--compare-decode-kernel`` measures what it buys.
 
 It applies to x86-64 CPUs where PyTorch reports AVX-512, float32 or bfloat16, head size 64 or
 128, 1-8 query heads per key head, and a boolean mask shared by the heads. Elsewhere, or where
-it cannot be built (no C++ compiler or ninja), attention stays PyTorch's; ``regenerate.
-decode_kernel: on`` turns that fallback into an error naming the reason.
+it cannot be built (no C++ compiler or ninja, or a build past :data:`BUILD_TIMEOUT_S`),
+attention stays PyTorch's; ``regenerate.decode_kernel: on`` turns that fallback into an error
+naming the reason.
+
+The build runs in a subprocess with a time limit, so a stuck build cannot hang the stage. A
+build killed half-way (a resumed run's usual history) leaves PyTorch's ``lock`` file behind,
+which makes every later ``load`` wait forever: each build records its process id beside the
+lock, and a lock whose builders are all gone is removed as stale before the next build.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
 import platform
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,36 +45,117 @@ from specforge.errors import UserError
 
 log = logging.getLogger(__name__)
 
+NAME = "specforge_decode_attention"
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 HEAD_SIZES = (64, 128)
 MAX_GROUP = 8
 """Query heads per key head the kernel is built for (``1..MAX_GROUP``)."""
-BUILD_FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]
-"""AVX-512F intrinsics (no ``-march=native``: the cached build must not depend on the CPU that
-built it beyond AVX-512F); OpenMP as PyTorch's own ``at::parallel_for`` runs it."""
+BUILD_FLAGS = ["-O3", "-fopenmp"]
+"""The kernel's functions carry their own AVX-512 target (a pragma in the source), so the rest
+of the module, its import included, runs on any x86-64 CPU; OpenMP as PyTorch's own
+``at::parallel_for`` runs it."""
+BUILD_TIMEOUT_S = 600.0
+"""A build (about half a minute on two cores) still running after this long is stopped, and
+attention stays PyTorch's."""
+
+
+def build_directory() -> Path:
+    """Where this source, these flags and this PyTorch build the kernel."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
+        Path.home() / ".cache" / "torch_extensions"
+    )
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(BUILD_FLAGS).encode())
+    digest.update(torch.__version__.encode())
+    return Path(root) / f"{NAME}-{digest.hexdigest()[:12]}"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clear_stale_lock(directory: Path) -> bool:
+    """Remove PyTorch's build ``lock`` in ``directory`` when no process that builds there is
+    alive (each records ``build-<pid>.pid``); returns whether a stale lock was removed."""
+    lock = directory / "lock"
+    owners = list(directory.glob("build-*.pid"))
+    alive = [p for p in owners if _process_alive(int(p.stem.removeprefix("build-")))]
+    for dead in set(owners) - set(alive):
+        dead.unlink(missing_ok=True)
+    if lock.exists() and not alive:
+        lock.unlink(missing_ok=True)
+        log.warning("removed a stale build lock in %s (its build was stopped)", directory)
+        return True
+    return False
+
+
+def _load(directory: Path):
+    """``torch.utils.cpp_extension.load`` of the kernel in ``directory`` (builds it when the
+    source is newer than the build)."""
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name=NAME,
+        sources=[str(SOURCE)],
+        extra_cflags=BUILD_FLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+    )
+
+
+def build_decode_kernel(timeout_s: float = BUILD_TIMEOUT_S):
+    """Build the kernel if needed (in a subprocess, within ``timeout_s``) and import it.
+
+    Raises:
+        UserError: the build failed or ran past ``timeout_s`` (its lock is cleared).
+    """
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(directory)
+    if not (directory / f"{NAME}.so").is_file() or (directory / "lock").exists():
+        log.info("building the CPU decode attention kernel (first use) in %s", directory)
+        start = time.perf_counter()
+        builder = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(directory)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its compiler processes go with it on a timeout
+        )
+        try:
+            output, _ = builder.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(builder.pid, signal.SIGKILL)
+            builder.wait()
+            clear_stale_lock(directory)
+            raise UserError(f"building it took more than {timeout_s:.0f} s") from None
+        if builder.returncode != 0:
+            last = (output or "").strip().splitlines()[-1:] or [f"exit {builder.returncode}"]
+            raise UserError(f"building it failed ({last[0]})")
+        log.info("decode attention kernel built in %.1f s", time.perf_counter() - start)
+    return _load(directory)
 
 
 @functools.cache
 def load_decode_kernel() -> tuple[Callable | None, str | None]:
-    """``(kernel, None)``, or ``(None, why it is unavailable)``; built once per process (PyTorch
-    reuses a build whose source and flags are unchanged)."""
+    """``(kernel, None)``, or ``(None, why it is unavailable)``; built once per machine and
+    loaded once per process."""
     capability = torch.backends.cpu.get_cpu_capability()
     if platform.machine().lower() not in ("x86_64", "amd64") or not capability.startswith("AVX512"):
         return None, f"it needs an x86-64 CPU with AVX-512 (PyTorch reports {capability})"
-    from torch.utils.cpp_extension import load
-
-    start = time.perf_counter()
     try:
-        module = load(
-            name="specforge_decode_attention",
-            sources=[str(SOURCE)],
-            extra_cflags=BUILD_FLAGS,
-            extra_ldflags=["-fopenmp"],
-        )
-    except Exception as error:  # no compiler or ninja, a failed build: PyTorch's attention
+        module = build_decode_kernel()
+    except UserError as error:
+        return None, str(error)
+    except Exception as error:  # no compiler or ninja, an unloadable build: PyTorch's attention
         reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return None, f"building it failed ({type(error).__name__}: {reason})"
-    log.info("decode attention kernel ready in %.1f s", time.perf_counter() - start)
     return module.decode_attention, None
 
 
@@ -133,3 +226,17 @@ def _unsupported(query, key, value, mask) -> str | None:
 @functools.cache
 def _warn_once(why: str) -> None:
     log.warning("decode attention: PyTorch's SDPA (specforge's CPU kernel unused: %s)", why)
+
+
+def _build_here(directory: Path) -> None:
+    """The build subprocess: record this process as a builder of ``directory``, then build."""
+    marker = directory / f"build-{os.getpid()}.pid"
+    marker.write_text(str(os.getpid()))
+    try:
+        _load(directory)
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    _build_here(Path(sys.argv[1]))

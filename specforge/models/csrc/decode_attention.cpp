@@ -2,6 +2,10 @@
 // keys/values read in place from (B, H_kv, S, D) buffer views, a boolean mask per row.
 // Built on first use by specforge/models/decode_kernel.py (torch.utils.cpp_extension).
 //
+// Only the kernel below is compiled for AVX-512 (a target pragma around it), so the module
+// imports on any x86-64 CPU; the entry point checks every shape relation and the CPU before it
+// calls into AVX-512 code, so a bad call is an error, never a read out of bounds or a crash.
+//
 // Per (row, key head), in float32: the group's G query heads against every unmasked key (each
 // key row converted once), a softmax, then the values weighted in (each value row converted
 // once). PyTorch's CPU flash kernel runs this shape as many tiny GEMMs; here it is bound by the
@@ -13,6 +17,9 @@
 #include <cstdint>
 #include <limits>
 #include <vector>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,fma")
 
 namespace {
 
@@ -152,16 +159,51 @@ void attend_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 }  // namespace
 
+#pragma GCC pop_options
+
+namespace {
+
+// Every relation the kernel's indexing relies on, checked before any AVX-512 code runs.
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& mask) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 2,
+              "decode_attention: q, k, v of 4 dimensions and a mask of 2, got ", q.dim(), ", ",
+              k.dim(), ", ", v.dim(), " and ", mask.dim());
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() &&
+                  mask.device().is_cpu(),
+              "decode_attention: every tensor on the CPU");
+  const int64_t rows = q.size(0), kv_heads = q.size(1), group = q.size(2), dim = q.size(3);
+  TORCH_CHECK(k.size(0) == rows && v.size(0) == rows && mask.size(0) == rows,
+              "decode_attention: q has ", rows, " rows, k ", k.size(0), ", v ", v.size(0),
+              ", the mask ", mask.size(0));
+  TORCH_CHECK(k.size(1) == kv_heads && v.size(1) == kv_heads, "decode_attention: q has ",
+              kv_heads, " key heads, k ", k.size(1), ", v ", v.size(1));
+  TORCH_CHECK(k.size(3) == dim && v.size(3) == dim, "decode_attention: q's head size is ", dim,
+              ", k's ", k.size(3), ", v's ", v.size(3));
+  TORCH_CHECK(v.size(2) == k.size(2) && mask.size(1) == k.size(2), "decode_attention: k has ",
+              k.size(2), " positions, v ", v.size(2), ", the mask ", mask.size(1));
+  TORCH_CHECK(dim == 64 || dim == 128, "decode_attention: head size ", dim,
+              " (64 or 128 supported)");
+  TORCH_CHECK(group >= 1 && group <= 8, "decode_attention: ", group,
+              " query heads per key head (1-8 supported)");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1,
+              "decode_attention: keys/values need unit stride along D");
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "decode_attention: a boolean mask");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "decode_attention: q, k, v of one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
+              "decode_attention: float32 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma"),
+              "decode_attention: this CPU has no AVX-512F");
+}
+
+}  // namespace
+
 // q (B, H_kv, G, D); k, v (B, H_kv, S, D) with unit stride along D; mask (B, S) bool, True where
 // a row attends. Returns (B, H_kv, G, D) in q's dtype.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& mask, double scale) {
-  TORCH_CHECK(query.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 2,
-              "decode_attention: q, k, v of 4 dimensions and a mask of 2");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: keys/values need unit stride along D");
-  TORCH_CHECK(mask.scalar_type() == at::kBool, "decode_attention: a boolean mask");
-  TORCH_CHECK(k.scalar_type() == query.scalar_type() && v.scalar_type() == query.scalar_type(),
-              "decode_attention: q, k, v of one dtype");
+  check_inputs(query, k, v, mask);
   const at::Tensor q = query.contiguous();
   at::Tensor out = at::empty_like(q);
   const float s = static_cast<float>(scale);
