@@ -49,6 +49,7 @@ FLAG_NAMES = {
     "synthesize.count": "synthesize",
     "capture.dtype": "store-dtype",
     "output_dir": "output-dir",
+    "draft.variant": "draft-variant",
     "synthesize.temperature": "synthesize-temperature",
     "synthesize.top_p": "synthesize-top-p",
     "synthesize.batch_size": "synthesize-batch-size",
@@ -258,7 +259,7 @@ STAGES = {
         _run_train,
         "train an EAGLE-3 draft with training-time test (online: the target runs in the step; "
         "offline: data.mode=offline); under torchrun every rank runs this command",
-        ("train", "output_dir"),
+        ("train", "draft", "output_dir"),
     ),
     "export": Stage(
         _run_export,

@@ -381,6 +381,24 @@ class CaptureConfig:
 
 
 @dataclass
+class DraftConfig:
+    """The draft's architecture (its geometry follows the target)."""
+
+    variant: Literal["eagle3", "eagle3.1"] = "eagle3"
+    """``eagle3``: SGLang's ``LlamaForCausalLMEagle3``. ``eagle3.1``: the same layer with
+    ``fc_norm`` (an RMSNorm on each aux state before ``fc``) and ``norm_output`` (the next
+    draft step reads the post-norm hidden state), written to the export's ``config.json`` as
+    the engines read them; an engine that predates EAGLE 3.1 ignores both keys, so serve such a
+    draft with one that reads them."""
+
+    @property
+    def switches(self) -> dict[str, bool]:
+        """The draft config's EAGLE 3.1 switches for this variant."""
+        on = self.variant == "eagle3.1"
+        return {"fc_norm": on, "norm_output": on}
+
+
+@dataclass
 class TrainConfig:
     """EAGLE-3 training with training-time test (DESIGN §3.3)."""
 
@@ -633,6 +651,7 @@ class SpecForgeConfig:
     vocab: VocabConfig = field(default_factory=VocabConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)

@@ -84,11 +84,13 @@ def make_tiny_llama(
     return model
 
 
-def tiny_draft(seed: int = 0, randomize_norms: bool = True):
+def tiny_draft(seed: int = 0, randomize_norms: bool = True, **switches):
+    """A tiny target and a draft built from it (``switches``: EAGLE 3.1's ``fc_norm`` /
+    ``norm_output``)."""
     target = make_tiny_llama(96, num_layers=4, seed=seed).float()
     with torch.no_grad():
         target.model.norm.weight.uniform_(0.5, 1.5)
-    config = Eagle3Config.from_target(target.config, draft_vocab_size=32)
+    config = Eagle3Config.from_target(target.config, draft_vocab_size=32, **switches)
     counts = torch.arange(96).flip(0)  # token 0 most frequent
     vocab = build_vocab_map(counts, 32, always_include=[95])
     draft = build_draft_model(

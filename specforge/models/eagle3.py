@@ -8,6 +8,12 @@
     logits = lm_head(norm(hidden))                                 (B, T, draft_vocab_size)
 
 The pre-norm ``hidden`` is what the next draft step receives (what SGLang feeds back).
+
+EAGLE 3.1 (``fc_norm``, ``norm_output`` in the config, as vLLM, SGLang, SpecForge and
+speculators read them) changes two things against "attention drift" at deeper steps:
+``fc_norm`` RMS-normalizes each of the three aux states on its own before ``fc`` (weights
+``fc_norm.{0,1,2}.weight``), and ``norm_output`` hands the next step the post-``norm`` state
+instead of the pre-norm residual (``lm_head`` reads that same state, so it is normed once).
 Position ``t`` receives the target feature at ``t`` and the embedding of token ``t + 1`` and
 predicts token ``t + 2``. ``d2t``/``t2d`` map the reduced draft vocabulary to target ids.
 
@@ -41,6 +47,9 @@ from specforge.data.kv_cache import GrowingKVLayer
 from specforge.data.vocab import hot_ids
 from specforge.errors import UserError
 
+AUX_STATES = 3
+"""Target layers whose residual streams ``fc`` fuses (low, middle, high)."""
+
 FROZEN_WEIGHTS = ("embed_tokens.weight",)
 """The draft's frozen copy of the target embedding: never saved in checkpoints or (at equal
 widths) exports; filled from the target on load."""
@@ -68,6 +77,10 @@ class Eagle3Config:
     """The target's RoPE settings (the draft runs at absolute target positions)."""
     rms_norm_eps: float = 1e-6
     hidden_act: str = "silu"
+    fc_norm: bool = False
+    """EAGLE 3.1: an RMSNorm on each aux state before ``fc``."""
+    norm_output: bool = False
+    """EAGLE 3.1: the next step receives the post-``norm`` hidden state."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
@@ -303,7 +316,12 @@ class Eagle3DraftModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(
+                LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps)
+                for _ in range(AUX_STATES)
+            )
+        self.fc = nn.Linear(AUX_STATES * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -318,11 +336,21 @@ class Eagle3DraftModel(nn.Module):
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """(B, T, 3 * Ht) target aux states -> (B, T, H) draft hidden stream."""
         # the draft's dtype from its norm: fc may hold int8 weights (models.int8_linear)
-        return self.fc(aux_hidden_states.to(self.norm.weight.dtype))
+        aux = aux_hidden_states.to(self.norm.weight.dtype)
+        if self.config.fc_norm:
+            # (B, T, 3 * Ht) -> 3 x (B, T, Ht), each normed on its own -> (B, T, 3 * Ht)
+            chunks = aux.chunk(AUX_STATES, dim=-1)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], -1)
+        return self.fc(aux)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, T, H) pre-norm hidden -> (B, T, draft_vocab_size) logits."""
-        return self.lm_head(self.norm(hidden))
+    def feedback(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The decoder layer's output (B, T, H) -> the state the next step receives and
+        :meth:`logits` reads: the pre-norm residual, or with ``norm_output`` the normed one."""
+        return self.norm(hidden) if self.config.norm_output else hidden
+
+    def logits(self, state: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) a state from :meth:`feedback` -> (B, T, draft_vocab_size) logits."""
+        return self.lm_head(state if self.config.norm_output else self.norm(state))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft vocabulary ids to target ids (``d + d2t[d]``)."""
@@ -360,7 +388,7 @@ class Eagle3DraftModel(nn.Module):
 
         Returns:
             ``(logits (B, T or logits_to_keep, draft_vocab_size), hidden (B, T, H))``;
-            ``hidden`` is the pre-norm residual stream handed to the next step.
+            ``hidden`` is the state handed to the next step (:meth:`feedback`).
         """
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
@@ -368,7 +396,7 @@ class Eagle3DraftModel(nn.Module):
         def attend(x, cos, sin):
             return self.midlayer.self_attn(x, cos, sin, cache=cache, attention_mask=attention_mask)
 
-        hidden = self.midlayer(embeds, hidden, cos, sin, attend)
+        hidden = self.feedback(self.midlayer(embeds, hidden, cos, sin, attend))
         return self.logits(hidden[:, -logits_to_keep:]), hidden
 
     def ttt_step(
@@ -381,8 +409,9 @@ class Eagle3DraftModel(nn.Module):
         key_padding_mask: torch.Tensor,
         start: int = 0,
     ) -> torch.Tensor:
-        """One training-time-test step (see module docstring); returns the pre-norm hidden
-        state (B, T - start, H) of positions ``start..T-1`` (logits: :meth:`logits`).
+        """One training-time-test step (see module docstring); returns the state handed to
+        the next step (:meth:`feedback`), (B, T - start, H) of positions ``start..T-1``
+        (logits: :meth:`logits`).
 
         Step ``k = len(cache.keys)`` before the call. Arguments as in :meth:`forward`, with
         ``position_ids`` = base positions + ``k`` and ``key_padding_mask`` (B, T) bool. At step
@@ -397,7 +426,7 @@ class Eagle3DraftModel(nn.Module):
                 x, cos, sin, cache=cache, key_padding_mask=key_padding_mask, start=start
             )
 
-        return self.midlayer(embeds, hidden, cos, sin, attend)
+        return self.feedback(self.midlayer(embeds, hidden, cos, sin, attend))
 
 
 def build_draft_model(

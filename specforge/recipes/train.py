@@ -156,7 +156,7 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
         end_of_turn=end_of_turn_ids(source.tokenizer, source.generation_config),
     )
     draft_config = Eagle3Config.from_target(
-        head.config, draft_vocab_size=vocab_map.draft_vocab_size
+        head.config, draft_vocab_size=vocab_map.draft_vocab_size, **cfg.draft.switches
     )
     draft = build_draft_model(
         draft_config,

@@ -41,6 +41,7 @@ from specforge.errors import UserError
 from specforge.io import atomic_directory, read_safetensors, write_json_atomic, write_text_atomic
 from specforge.models.adapter import draft_rope_parameters, text_config
 from specforge.models.eagle3 import (
+    AUX_STATES,
     FROZEN_WEIGHTS,
     Eagle3Config,
     Eagle3DraftModel,
@@ -80,7 +81,15 @@ def _reduced(c: Eagle3Config) -> bool:
     return c.draft_vocab_size < c.vocab_size
 
 
+def _fc_norm(c: Eagle3Config) -> bool:
+    return c.fc_norm
+
+
 EXPORT_CONTRACT: tuple[TensorSpec, ...] = (
+    *(
+        TensorSpec(f"fc_norm.{i}.weight", lambda c: (c.target_hidden_size,), "float", _fc_norm)
+        for i in range(AUX_STATES)
+    ),
     TensorSpec("fc.weight", lambda c: (c.hidden_size, 3 * c.target_hidden_size), "float"),
     TensorSpec("midlayer.input_layernorm.weight", lambda c: (c.hidden_size,), "float"),
     TensorSpec("midlayer.hidden_norm.weight", lambda c: (c.hidden_size,), "float"),
@@ -124,6 +133,10 @@ EXPORT_CONTRACT: tuple[TensorSpec, ...] = (
 otherwise the engines share the target's embedding, which the draft's frozen copy equals."""
 
 KIND_DTYPES = {"int64": torch.int64, "bool": torch.bool}
+
+EAGLE31_SWITCHES = ("fc_norm", "norm_output")
+"""The draft config's EAGLE 3.1 keys: written to ``config.json`` as ``true`` when set (top
+level, as vLLM reads them), left out for an EAGLE-3 draft."""
 
 
 def check_export_tensors(
@@ -197,6 +210,9 @@ def export_config_dict(
         "mlp_bias": False,
         "torch_dtype": dtype,
     }
+    for switch in EAGLE31_SWITCHES:  # EAGLE 3.1, as the engines read it; absent for EAGLE-3
+        if getattr(config, switch):
+            exported[switch] = True
     if list(aux_layer_ids) != default_aux_layer_ids(num_target_layers):
         exported["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
         exported["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in aux_layer_ids]

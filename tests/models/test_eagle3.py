@@ -71,12 +71,17 @@ def incremental_logits(draft: Eagle3DraftModel, ids, aux, prefix: int, steps: in
     return out
 
 
+EAGLE31 = {"fc_norm": True, "norm_output": True}
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
 @pytest.mark.parametrize("ttt_length", [1, 4, 7])
-def test_ttt_equals_incremental_serving_for_every_step(ttt_length):
+def test_ttt_equals_incremental_serving_for_every_step(ttt_length, variant):
     """DESIGN §3.3: TTT's step-k logits at position t equal serving's k-th chained step after a
-    draft prefill over features 0..t (KV cache), for every k < ttt_length and every t."""
+    draft prefill over features 0..t (KV cache), for every k < ttt_length and every t; for the
+    EAGLE-3 draft and for EAGLE 3.1's (per-aux norms before fc, the post-norm state fed back)."""
     torch.manual_seed(0)
-    _, draft = tiny_draft(seed=1)
+    _, draft = tiny_draft(seed=1, **(EAGLE31 if variant == "eagle3.1" else {}))
     length = 16
     ids = torch.randint(0, 96, (2, length))
     aux = torch.randn(2, length, 3 * 64)
@@ -118,3 +123,27 @@ def test_kv_cache_crop_and_explicit_mask_match_causal():
             ids[:, 5:], hidden[:, 5:], torch.arange(5, 9)[None], cache=cache, attention_mask=mask
         )
     torch.testing.assert_close(rest, full[:, 5:], rtol=1e-5, atol=1e-5)
+
+
+def test_eagle31_adds_three_aux_norms_and_feeds_back_the_normed_state():
+    """``fc_norm``: one RMSNorm per aux state before ``fc`` (what vLLM loads as
+    ``model.fc_norm.{i}.weight``); ``norm_output``: the state handed on is ``norm``'s output,
+    and the logits read it without a second norm."""
+    _, draft = tiny_draft(seed=2, **EAGLE31)
+    shapes = {k: tuple(v.shape) for k, v in draft.state_dict().items()}
+    assert shapes == {**EXPECTED_PARAMETERS, **{f"fc_norm.{i}.weight": (64,) for i in range(3)}}
+    with torch.no_grad():
+        for i, norm in enumerate(draft.fc_norm):
+            norm.weight.fill_(1.0 + i)
+        aux = torch.randn(1, 5, 3 * 64)
+        chunks = aux.chunk(3, dim=-1)
+        normed = torch.cat([draft.fc_norm[i](c) for i, c in enumerate(chunks)], -1)
+        torch.testing.assert_close(draft.fuse(aux), draft.fc(normed))
+        assert not torch.allclose(draft.fuse(aux), draft.fc(aux))
+        ids, positions = torch.randint(0, 96, (1, 5)), torch.arange(5)[None]
+        logits, state = draft(ids, draft.fuse(aux), positions, cache=DraftKVCache())
+        draft.config.norm_output = False  # the same weights, the pre-norm residual handed on
+        plain_logits, residual = draft(ids, draft.fuse(aux), positions, cache=DraftKVCache())
+        torch.testing.assert_close(state, draft.norm(residual))
+        torch.testing.assert_close(logits, draft.lm_head(state))
+        torch.testing.assert_close(logits, plain_logits)  # one norm before lm_head either way

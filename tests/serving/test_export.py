@@ -46,6 +46,11 @@ def engine_params(c, layer: str, prefix_lm_head: str = "") -> dict:
         f"model.{layer}.mlp.down_proj.weight": ((h, i), None),
         "model.norm.weight": ((h,), None),
         f"{prefix_lm_head}lm_head.weight": ((c.draft_vocab_size, h), None),
+        **{  # EAGLE 3.1: vLLM's per-aux norms before fc
+            f"model.fc_norm.{i}.weight": ((c.target_hidden_size,), None)
+            for i in range(3)
+            if c.fc_norm
+        },
     }
 
 
@@ -139,6 +144,7 @@ def test_directory_layout_and_config(exported):
     assert config["max_position_embeddings"] == target.config.max_position_embeddings
     assert config["rope_theta"] == target.config.rope_parameters["rope_theta"]
     assert config["rope_scaling"] is None and "eagle_config" not in config  # default aux ids
+    assert "fc_norm" not in config and "norm_output" not in config  # an EAGLE-3 draft
     freq = torch.load(out / "freq_32.pt", weights_only=True)
     assert freq.dtype == torch.int64 and torch.equal(freq, torch.arange(32) + draft.d2t)
 
@@ -250,3 +256,56 @@ def test_cli_exports_a_training_checkpoint(tmp_path, peaked_target_dir):
     ]
     assert advice["tiers"]["7"]["extrapolated"] and not advice["tiers"]["3"]["extrapolated"]
     assert "--speculative-num-steps" in (out / "sglang_advice.md").read_text()
+
+
+def test_an_eagle31_export_carries_its_switches_and_serves_the_same_logits(tmp_path):
+    """``fc_norm`` / ``norm_output`` go to ``config.json`` at the top level and the three aux
+    norms to ``model.safetensors``, where vLLM's loader finds each parameter once; the built-in
+    runtime loads the same directory back into an EAGLE 3.1 draft with equal logits."""
+    target, draft = tiny_draft(fc_norm=True, norm_output=True)
+    with torch.no_grad():
+        for norm in draft.fc_norm:
+            norm.weight.uniform_(0.5, 1.5)
+    out = write_export(
+        tmp_path / "export", model=draft, target_config=target.config, aux_layer_ids=[1, 1, 0]
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    tensors = load_file(str(out / "model.safetensors"))
+    params, loads = vllm_load(tensors, draft.config)
+    assert {f"model.fc_norm.{i}.weight" for i in range(3)} <= set(params)
+    assert_each_parameter_loaded_once(params, loads)
+    loaded = load_exported_draft(
+        out,
+        target_config=target.config,
+        target_embedding=target.get_input_embeddings().weight,
+        dtype=torch.bfloat16,
+    ).float()
+    assert loaded.config.fc_norm and loaded.config.norm_output
+    ids, aux = torch.randint(0, 96, (1, 7)), torch.randn(1, 7, 192)
+    with torch.no_grad():
+        a, _ = draft.to(torch.bfloat16).float()(
+            ids, draft.fuse(aux), torch.arange(7)[None], cache=DraftKVCache()
+        )
+        b, _ = loaded(ids, loaded.fuse(aux), torch.arange(7)[None], cache=DraftKVCache())
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    del tensors["fc_norm.1.weight"]
+    with pytest.raises(ExportError, match="missing tensor 'fc_norm.1.weight'"):
+        check_export_tensors(tensors, draft.config, torch.bfloat16)
+
+
+def test_training_with_the_eagle31_variant_exports_it(tmp_path, peaked_target_dir):
+    from specforge.cli import main
+
+    folder, data = peaked_target_dir
+    out = tmp_path / "run"
+    code = main(
+        ["train", "--draft-variant", "eagle3.1", f"output_dir={out}", "train.max_steps=2"]
+        + [f"target.name_or_path={folder}", "target.dtype=float32", "train.dtype=float32"]
+        + [f"train.data_path={data}", "vocab.draft_vocab_size=64", "train.eval_fraction=0.2"]
+    )
+    assert code == 0
+    assert main(["export", f"output_dir={out}"]) == 0
+    config = json.loads((out / "export" / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    assert "fc_norm.2.weight" in load_file(str(out / "export" / "model.safetensors"))
