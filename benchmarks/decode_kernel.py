@@ -14,11 +14,10 @@ alone on the machine.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from verify_cost import median_ms
 
 from specforge.data.kv_cache import decode_kernel_mode
 from specforge.models.decode_kernel import kernel_decode_attention, load_decode_kernel
@@ -39,16 +38,6 @@ def inputs(rows: int, heads: int, kv_heads: int, size: int, keys: int, padding: 
     for row in range(rows):
         mask[row, ..., : int(keys * padding * row / max(rows - 1, 1))] = False
     return query, key, value, mask
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def time_shape(query, key, value, mask, repeats: int) -> tuple[float, float, float]:

@@ -6,10 +6,12 @@ change per row, each scored on the same held-out conversations (never the train 
 Rows (``--only`` picks some): the recipe as it is; the learning rate halved and doubled; no
 cosine decay (constant after warmup); weight decay against memorising; the draft's layer
 started from the target's last layer (``train.init_from_target``); the LK loss
-(``train.loss=lk``); and ``epochs`` (the same steps over half the training conversations, so
-each is seen twice: repeated epochs against fresh data). Every row trains ``--steps`` steps
-from the same seed and evaluates on the held-out split that ``--eval-fraction`` selects by a
-hash of each id (stable across rows, the half-data row included). A row writes
+(``train.loss=lk``); the EAGLE 3.1 draft (``draft.variant=eagle3.1``: per-aux norms before
+``fc``, the post-norm state fed back); and ``epochs`` (the same steps over half the training
+conversations, so each is seen twice: repeated epochs against fresh data). Every row trains
+``--steps`` steps from the same seed and evaluates on the held-out split that
+``--eval-fraction`` selects by a hash of each id (stable across rows, the half-data row
+included). A row writes
 ``OUTPUT/<row>/result.json`` and is skipped on a rerun. Run it alone (2 CPU cores).
 """
 
@@ -37,6 +39,7 @@ def rows(base) -> dict[str, list[str]]:
         "weight_decay_0.1": ["train.weight_decay=0.1"],
         "init_from_target": ["train.init_from_target=true"],
         "loss_lk": ["train.loss=lk"],
+        "eagle3.1": ["draft.variant=eagle3.1"],
         "epochs": [],  # half the training conversations, seen twice
     }
 
