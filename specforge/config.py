@@ -233,10 +233,10 @@ class RegenerateConfig:
     own kernel launches (256 rows: 16 attention calls a layer instead of one)."""
     decode_kernel: Literal["auto", "on", "off"] = "auto"
     """``continuous`` on CPU: decode steps' attention through specforge's AVX-512 kernel
-    (:mod:`specforge.models.decode_kernel`, built on first use with the system's C++ compiler,
-    cached by PyTorch): ``auto`` where it builds and applies, else PyTorch's SDPA with a
-    warning naming why; ``on``: an error instead of that fallback; ``off``: SDPA. Outputs agree
-    with SDPA's to float rounding."""
+    (:mod:`specforge.models.decode_kernel`, built on first use with the system's C++ compiler
+    and kept under ``TORCH_EXTENSIONS_DIR``): ``auto`` where it builds and applies, else
+    PyTorch's SDPA with a warning naming why; ``on``: an error instead of that fallback;
+    ``off``: SDPA. Outputs agree with SDPA's to float rounding."""
     temperature: float = 0.0
     """0 means greedy decoding; > 0 samples at this temperature."""
     top_p: float = 1.0
