@@ -51,6 +51,20 @@ def exact_joint(target, length: int, top_p: float) -> dict[tuple[int, ...], floa
     return probs
 
 
+def sampling_decoder(target, draft, num_steps, topk, num_draft_tokens, top_p=1.0):
+    """The runtime sampling at :data:`TEMPERATURE` over the tiny target's aux layers."""
+    return SpeculativeDecoder(
+        target,
+        draft,
+        aux_layer_ids=[1, 1, 0],
+        num_steps=num_steps,
+        topk=topk,
+        num_draft_tokens=num_draft_tokens,
+        temperature=TEMPERATURE,
+        top_p=top_p,
+    )
+
+
 def draw(decoder, length: int) -> dict[tuple[int, ...], int]:
     generator = torch.Generator().manual_seed(1234)
     counts: dict[tuple[int, ...], int] = {}
@@ -103,16 +117,7 @@ def test_speculative_sampling_matches_the_target(
         if not int8_linear_available():
             pytest.skip("no int8 kernel in this build")
         quantize_linears(draft)
-    decoder = SpeculativeDecoder(
-        target,
-        draft,
-        aux_layer_ids=[1, 1, 0],
-        num_steps=num_steps,
-        topk=topk,
-        num_draft_tokens=num_draft_tokens,
-        temperature=TEMPERATURE,
-        top_p=top_p,
-    )
+    decoder = sampling_decoder(target, draft, num_steps, topk, num_draft_tokens, top_p=top_p)
     # tokens 2 and 3 are decided by the first verification round
     counts = draw(decoder, 3)
     expected = exact_joint(target, 3, top_p)
@@ -230,15 +235,7 @@ def test_a_fixed_depth_sampled_run_is_reproducible_from_its_seed(
     target, draft = models
     runs = []
     for _ in range(2):
-        decoder = SpeculativeDecoder(
-            target,
-            draft,
-            aux_layer_ids=[1, 1, 0],
-            num_steps=num_steps,
-            topk=topk,
-            num_draft_tokens=num_draft_tokens,
-            temperature=TEMPERATURE,
-        )
+        decoder = sampling_decoder(target, draft, num_steps, topk, num_draft_tokens)
         generator = torch.Generator().manual_seed(7)
         runs.append(
             [decoder.generate(PROMPT, max_new_tokens=12, generator=generator)[0] for _ in range(5)]
