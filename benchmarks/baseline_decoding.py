@@ -2,9 +2,11 @@
 with its dynamic cache (what ``specforge bench`` times as the target alone), the same with
 PyTorch's default linear instead of the prepacked one (``dynamic-unpacked``; see
 ``target.prepack_linear``), with a static cache, with a static cache plus ``torch.compile``, and
-a hand-written greedy loop (``loop``: one forward per token on the speculative runtime's
-in-place cache, the last position's logits only, none of ``generate``'s machinery); tokens/s
-and whether each output equals the dynamic cache's. JSON + a table.
+a hand-written greedy loop (``loop``: one forward per token on a growing in-place cache, the
+last position's logits only, none of ``generate``'s machinery), and the engine the speculative
+runtime verifies with (``engine``: a cache written by slot, the layers in one loop;
+``engine+compile``: the same through ``torch.compile``, what ``specforge bench`` times as the
+target alone); tokens/s and whether each output equals the dynamic cache's. JSON + a table.
 
     python benchmarks/baseline_decoding.py --questions question.jsonl --limit 5
 
@@ -26,8 +28,10 @@ from specforge.config import load_config
 from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.kv_cache import cache_kwargs, growing_cache
 from specforge.data.questions import load_questions, resolve_question_set
+from specforge.engine.target import TargetEngine
+from specforge.models.adapter import text_config
 from specforge.models.packed_linear import default_linears
-from specforge.models.target import load_target
+from specforge.models.target import default_aux_layer_ids, load_target
 from specforge.results import write_result
 from specforge.serving.bench import compiled_generate_kwargs, greedy_generate
 
@@ -65,7 +69,7 @@ def main() -> None:
     parser.add_argument(
         "--methods",
         nargs="+",
-        default=["dynamic", "dynamic-unpacked", "static", "static+compile", "loop"],
+        default=["dynamic", "static+compile", "loop", "engine", "engine+compile"],
     )
     parser.add_argument("--output", default="outputs/bench/baseline_decoding.json")
     args = parser.parse_args()
@@ -79,9 +83,20 @@ def main() -> None:
         for q in load_questions(source, limit=args.limit)
     ]
 
+    aux = default_aux_layer_ids(text_config(model.config).num_hidden_layers)
+    engines = {
+        name: TargetEngine(model, aux_layer_ids=aux, compile=name == "engine+compile")
+        for name in ("engine", "engine+compile")
+        if name in args.methods
+    }
+
     def generate(ids, name):
         if name == "loop":
             return plain_loop(model, ids, args.max_new_tokens, eos)
+        if name in engines:
+            return engines[name].generate(
+                ids, max_new_tokens=args.max_new_tokens, eos_token_ids=eos
+            )
         unpacked = default_linears(model) if name == "dynamic-unpacked" else nullcontext()
         with unpacked:
             return greedy_generate(
@@ -97,6 +112,7 @@ def main() -> None:
     for name in args.methods:
         start = time.perf_counter()
         generate(prompts[0][:, :16], name)  # warm-up (and compilation)
+        generate(prompts[0][:, :16], name)
         warm_up = time.perf_counter() - start
         outputs, seconds = [], 0.0
         for ids in prompts:
@@ -112,6 +128,7 @@ def main() -> None:
                 "tokens_per_s": round(tokens / seconds, 2),
                 "warm_up_s": round(warm_up, 1),
                 "identical_to_dynamic": outputs == reference,
+                **({"engine": engines[name].stats.as_dict()} if name in engines else {}),
             }
         )
     base = rows[0]["tokens_per_s"]

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from verify_cost import median_ms
 
-from specforge.data.kv_cache import decode_kernel_mode
 from specforge.models.decode_kernel import kernel_decode_attention, load_decode_kernel
 from specforge.results import write_result
 
@@ -43,9 +42,10 @@ def inputs(rows: int, heads: int, kv_heads: int, size: int, keys: int, padding: 
 def time_shape(query, key, value, mask, repeats: int) -> tuple[float, float, float]:
     """Milliseconds of the kernel and of SDPA over the same views, and the kernel's largest
     difference from SDPA in float32."""
-    with decode_kernel_mode("on"):
-        ours = median_ms(lambda: kernel_decode_attention(query, key, value, mask, None), repeats)
-        out = kernel_decode_attention(query, key, value, mask, None)
+    ours = median_ms(
+        lambda: kernel_decode_attention(query, key, value, mask, None, mode="on"), repeats
+    )
+    out = kernel_decode_attention(query, key, value, mask, None, mode="on")
     sdpa = median_ms(
         lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True),
         repeats,

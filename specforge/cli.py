@@ -272,7 +272,7 @@ STAGES = {
         _run_bench,
         "accept length and speedup of an exported draft vs the target alone (and prompt "
         "lookup) on the same prompts, greedy, batch size 1",
-        ("bench", "target.name_or_path", "target.device", "target.trust_remote_code"),
+        ("bench", "engine", "target.name_or_path", "target.device", "target.trust_remote_code"),
     ),
     "quickstart": Stage(
         _run_quickstart,

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import shutil
 import textwrap
 import types
 import typing
@@ -607,6 +608,21 @@ class BenchConfig:
 
 
 @dataclass
+class EngineConfig:
+    """``engine``: how ``specforge bench`` runs the target's forwards, for the target alone and
+    for the speculative runtime's verification (:mod:`specforge.engine`)."""
+
+    compile: Literal["auto", "true", "false"] = "auto"
+    """``true``: through ``torch.compile`` (CUDA graphs on a GPU) at a bounded set of shapes,
+    compiled in the warm-up and cached on disk by PyTorch (``TORCHINDUCTOR_CACHE_DIR``);
+    ``false``: the engine eager (its preallocated cache, no compilation); ``auto``: ``true``
+    on a GPU and on a CPU with a C++ compiler (what compilation needs there), else ``false``.
+    Either way the speedup is against the target alone run by the same engine. A target whose
+    decoder is not the engine's plain layer loop (or has windowed attention) decodes through
+    transformers instead, with a warning (with ``true``: an error)."""
+
+
+@dataclass
 class QuickstartConfig:
     """``specforge quickstart``: its wall-clock budget."""
 
@@ -655,6 +671,7 @@ class SpecForgeConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     quickstart: QuickstartConfig = field(default_factory=QuickstartConfig)
     output_dir: str = "outputs/specforge"
     """Directory for everything the recipe writes."""
@@ -724,9 +741,9 @@ class SpecForgeConfig:
 def resolve_auto(cfg: SpecForgeConfig) -> SpecForgeConfig:
     """``cfg`` with its hardware-dependent ``auto`` values made concrete for the running machine:
     ``target.dtype``, ``train.dtype`` (the draft trains on the target's device),
-    ``bench.draft_dtype`` and ``bench.draft_quantize``. A loaded config keeps ``auto``, so it
-    means the same on every machine; each stage resolves it when it starts and records the
-    result in its outputs. Concrete values are kept as they are.
+    ``bench.draft_dtype``, ``bench.draft_quantize`` and ``engine.compile``. A loaded config
+    keeps ``auto``, so it means the same on every machine; each stage resolves it when it
+    starts and records the result in its outputs. Concrete values are kept as they are.
 
     Raises:
         ConfigError: ``bench.draft_quantize: int8`` with a draft dtype or device it cannot run.
@@ -742,7 +759,20 @@ def resolve_auto(cfg: SpecForgeConfig) -> SpecForgeConfig:
             draft_dtype=draft_dtype,
             draft_quantize=resolve_draft_quantize(cfg.bench.draft_quantize, draft_dtype, device),
         ),
+        engine=dataclasses.replace(
+            cfg.engine, compile=resolve_engine_compile(cfg.engine.compile, device)
+        ),
     )
+
+
+def resolve_engine_compile(value: str, device: str) -> str:
+    """``engine.compile``'s ``auto`` for ``device``: ``true`` on CUDA, and on a CPU where a C++
+    compiler is on the PATH (inductor's CPU code needs one), else ``false``."""
+    if value != "auto":
+        return value
+    if device.startswith("cuda"):
+        return "true"
+    return "true" if shutil.which("g++") or shutil.which("c++") else "false"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ layer, none forms a cycle, lazy imports included) and the size of functions."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,12 @@ import pytest
 PACKAGE = Path(__file__).parents[1] / "specforge"
 
 LAYERS = {
-    "specforge.docgen": 6,
-    "specforge.cli": 5,
-    "specforge.recipes": 4,
-    "specforge.trainer": 3,
-    "specforge.serving": 3,
+    "specforge.docgen": 7,
+    "specforge.cli": 6,
+    "specforge.recipes": 5,
+    "specforge.trainer": 4,
+    "specforge.serving": 4,
+    "specforge.engine": 3,
     "specforge.models": 2,
     "specforge.data": 1,
     "specforge.config": 0,
@@ -26,9 +28,9 @@ LAYERS = {
     "specforge.configs": 0,
     "specforge": 0,
 }
-"""``scripts -> cli -> recipes -> {trainer, serving} -> models -> data -> {config, io, errors,
-distributed}``: a module imports only from lower layers, or from its own package (without
-cycles); ``trainer`` and ``serving`` never import each other."""
+"""``scripts -> cli -> recipes -> {trainer, serving} -> engine -> models -> data -> {config,
+io, errors, distributed}``: a module imports only from lower layers, or from its own package
+(without cycles); ``trainer`` and ``serving`` never import each other."""
 
 MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS: dict[str, str] = {}
@@ -156,3 +158,44 @@ def long_functions() -> list[str]:
 
 def test_no_function_is_longer_than_the_limit():
     assert long_functions() == []
+
+
+def _dotted(path: Path) -> str:
+    """``specforge.x.y`` for a file under any ``specforge`` folder (the package, or a test's)."""
+    parts = path.with_suffix("").parts
+    parts = parts[len(parts) - 1 - parts[::-1].index("specforge") :]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def context_variables(graph_paths) -> list[str]:
+    """``module: name`` for every ``ContextVar`` that a module other than its own reads or
+    sets (imports it by name): options crossing layers must be passed explicitly."""
+    owners: dict[str, str] = {}
+    for path in graph_paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and "ContextVar(" in ast.unparse(node):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    owners[ast.unparse(target)] = _dotted(path)
+    crossings = []
+    for path in graph_paths:
+        source = path.read_text()
+        for name, owner in owners.items():
+            if _dotted(path) != owner and re.search(rf"\b{name}\b", source):
+                crossings.append(f"{_dotted(path)}: {owner}.{name}")
+    return crossings
+
+
+def test_no_context_variable_crosses_a_module():
+    assert context_variables(sorted(PACKAGE.rglob("*.py"))) == []
+
+
+def test_the_context_variable_check_catches_a_crossing(tmp_path):
+    package = tmp_path / "specforge"
+    (package / "data").mkdir(parents=True)
+    owner = "from contextvars import ContextVar\nMODE = ContextVar('m')\n"
+    (package / "data" / "a.py").write_text(owner)
+    (package / "models").mkdir()
+    (package / "models" / "b.py").write_text("from specforge.data.a import MODE\nMODE.get()\n")
+    found = context_variables(sorted(package.rglob("*.py")))
+    assert found == ["specforge.models.b: specforge.data.a.MODE"]

@@ -35,11 +35,10 @@ from transformers.cache_utils import Cache
 
 from specforge.data.chat import left_padded
 from specforge.data.kv_cache import (
+    DECODE_KERNEL_MODES,
     GrowingKVLayer,
     RowSpan,
-    attention_row_spans,
     cache_kwargs,
-    decode_kernel_mode,
     growing_cache,
 )
 
@@ -169,10 +168,15 @@ class GenerationSettings:
     for 2.5% more tokens/s."""
     rows_per_span: int | None = None
     """Decode attention runs over spans of this many consecutive rows, each reading only the
-    key columns its longest row fills (:func:`~specforge.data.kv_cache.attention_row_spans`).
+    key columns its longest row fills (:data:`~specforge.data.kv_cache.RowSpan`).
     None: :func:`default_rows_per_span` for the model's device."""
     decode_kernel: str = "auto"
-    """Decode steps' attention on CPU (:func:`~specforge.data.kv_cache.decode_kernel_mode`)."""
+    """Decode steps' attention on CPU (:data:`~specforge.data.kv_cache.DECODE_KERNEL_MODES`)."""
+
+    def __post_init__(self) -> None:
+        if self.decode_kernel not in DECODE_KERNEL_MODES:
+            modes, got = DECODE_KERNEL_MODES, self.decode_kernel
+            raise ValueError(f"decode kernel mode must be one of {modes}, got {got!r}")
 
 
 CPU_ROWS_PER_SPAN = 16
@@ -356,15 +360,16 @@ class ContinuousBatcher:
         last = torch.tensor([t[-1] for t in batch.tokens], device=self.device)
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], 1)
         spans = self._row_spans(batch.mask)
-        with attention_row_spans(spans), decode_kernel_mode(self.settings.decode_kernel):
-            out = self.model(
-                input_ids=last[:, None],
-                attention_mask=batch.mask,
-                position_ids=batch.positions[:, None],
-                use_cache=True,
-                **cache_kwargs(self.model, batch.cache),
-                logits_to_keep=1,
-            )
+        out = self.model(
+            input_ids=last[:, None],
+            attention_mask=batch.mask,
+            position_ids=batch.positions[:, None],
+            use_cache=True,
+            **cache_kwargs(self.model, batch.cache),
+            logits_to_keep=1,
+            row_spans=spans,  # options of the target's attention, passed down by HF
+            decode_kernel=self.settings.decode_kernel,
+        )
         self.steps += 1
         batch.positions = batch.positions + 1
         for row, token in enumerate(

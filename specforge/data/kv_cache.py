@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -99,52 +96,12 @@ def growing_cache() -> Cache:
 
 
 RowSpan = tuple[int, int, int]
-"""``(start, end, columns)``: batch rows ``start:end`` attend over their last ``columns`` keys."""
-
-_ROW_SPANS: ContextVar[list[RowSpan] | None] = ContextVar("row_spans", default=None)
-
-
-@contextmanager
-def attention_row_spans(spans: list[RowSpan]) -> Iterator[None]:
-    """Within this block, the target's grouped attention
-    (:func:`~specforge.models.target.grouped_sdpa_attention`) attends each span ``(start, end,
-    columns)`` of batch rows over its last ``columns`` cached key positions only. For left-padded
-    (right-aligned) rows, whose keys before that are padding in every row of the span: a batch
-    whose rows have very different lengths then reads only their real keys and values (attention
-    is bound by memory when decoding). Other attention implementations ignore it."""
-    token = _ROW_SPANS.set(spans)
-    try:
-        yield
-    finally:
-        _ROW_SPANS.reset(token)
-
-
-def current_row_spans() -> list[RowSpan] | None:
-    """The spans of the innermost :func:`attention_row_spans` block, or None outside one."""
-    return _ROW_SPANS.get()
-
+"""``(start, end, columns)``: batch rows ``start:end`` attend over their last ``columns`` keys.
+Continuous batching passes a list of them to the model's forward as ``row_spans`` (the target's
+grouped attention, :func:`~specforge.models.target.grouped_sdpa_attention`, reads it): for
+left-padded (right-aligned) rows whose keys before that are padding in every row of the span, a
+batch whose rows have very different lengths then reads only their real keys and values."""
 
 DECODE_KERNEL_MODES = ("auto", "on", "off")
-"""``regenerate.decode_kernel``: see :class:`~specforge.config.RegenerateConfig`."""
-
-_DECODE_KERNEL: ContextVar[str] = ContextVar("decode_kernel", default="off")
-
-
-@contextmanager
-def decode_kernel_mode(mode: str) -> Iterator[None]:
-    """Within this block, the target's grouped attention runs one-position decode steps on CPU
-    through specforge's AVX-512 kernel (:mod:`specforge.models.decode_kernel`): ``auto`` where
-    it builds and applies (else PyTorch's SDPA), ``on`` or a clear error, ``off`` never.
-    Outside any block: ``off``."""
-    if mode not in DECODE_KERNEL_MODES:
-        raise ValueError(f"decode kernel mode must be one of {DECODE_KERNEL_MODES}, got {mode!r}")
-    token = _DECODE_KERNEL.set(mode)
-    try:
-        yield
-    finally:
-        _DECODE_KERNEL.reset(token)
-
-
-def current_decode_kernel_mode() -> str:
-    """The mode of the innermost :func:`decode_kernel_mode` block (``off`` outside one)."""
-    return _DECODE_KERNEL.get()
+"""``regenerate.decode_kernel``, passed to the model's forward as ``decode_kernel``: see
+:class:`~specforge.config.RegenerateConfig`."""

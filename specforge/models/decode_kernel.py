@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from specforge.data.kv_cache import current_decode_kernel_mode
+from specforge.data.kv_cache import DECODE_KERNEL_MODES
 from specforge.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -165,13 +165,21 @@ def kernel_decode_attention(
     value: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float | None,
+    *,
+    mode: str = "off",
 ) -> torch.Tensor | None:
     """Attention of one query position ``query`` (B, H, 1, D) over ``key``/``value``
     (B, H_kv, S, D) with ``mask`` (B or 1, 1, 1, S) bool or None, as HF's attention returns it:
-    (B, 1, H, D). None where :func:`~specforge.data.kv_cache.decode_kernel_mode` is ``off``, and
-    in ``auto`` off a CPU or where the kernel does not apply (with a warning, once per reason);
-    ``on`` raises there instead."""
-    mode = current_decode_kernel_mode()
+    (B, 1, H, D). ``mode`` (``regenerate.decode_kernel``, passed down by the caller): None where
+    it is ``off``, and in ``auto`` off a CPU or where the kernel does not apply (with a warning,
+    once per reason); ``on`` raises there instead.
+
+    Raises:
+        ValueError: a ``mode`` not in :data:`~specforge.data.kv_cache.DECODE_KERNEL_MODES`.
+        UserError: ``on`` where the kernel cannot run.
+    """
+    if mode not in DECODE_KERNEL_MODES:
+        raise ValueError(f"decode kernel mode must be one of {DECODE_KERNEL_MODES}, got {mode!r}")
     if mode == "off" or (mode == "auto" and query.device.type != "cpu"):
         return None  # a GPU's attention kernels are its own
     why = _unsupported(query, key, value, mask)

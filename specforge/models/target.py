@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from specforge.config import TargetConfig, resolve_auto_dtype, torch_dtype
-from specforge.data.kv_cache import cache_kwargs, current_row_spans
+from specforge.data.kv_cache import cache_kwargs
 from specforge.distributed import check_device
 from specforge.errors import UserError
 from specforge.io import atomic_directory, require_local
@@ -156,33 +156,39 @@ def grouped_sdpa_attention(
     key/value heads (a copy of the whole KV cache per layer and call) whenever a mask is passed,
     which a verification forward over several new tokens always does. Bit-identical outputs
     (tested); anything this simple path does not cover (soft-capping, position bias, attention
-    sinks, paged caches) goes to HF's own function. Row spans
-    (:func:`~specforge.data.kv_cache.attention_row_spans`) split the batch. A decode step (one
+    sinks, paged caches) goes to HF's own function. Two options come as keyword arguments of the
+    model's forward, which HF passes down to attention (no process or context state is read):
+    ``row_spans`` (:data:`~specforge.data.kv_cache.RowSpan` list, continuous batching) splits the
+    batch, each span reading only its last columns; ``decode_kernel`` (``auto``/``on``/``off``,
+    default ``off``) runs a one-position step on CPU through
+    :mod:`specforge.models.decode_kernel`'s kernel. A decode step (one
     query position) with a mask packs each key head's group of query heads as its query
     positions, as HF's ``sdpa`` does (bit-identical): PyTorch's CPU flash kernel runs one query
     position in bf16 ~6x slower than three (1.65 ms against 0.26 ms for 16 rows over 300 keys),
     which made it 85% of a bf16 decode step of continuous batching. Without a mask HF passes
     ``enable_gqa`` instead; so does this function in float32 (the runtime's bit-identical
     checks), but bf16 packs there too (the same sums, so equal up to rounding: tested within
-    it). Inside :func:`~specforge.data.kv_cache.decode_kernel_mode` (continuous batching), a
-    one-position step on CPU runs :mod:`specforge.models.decode_kernel`'s kernel instead."""
+    it)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    spans = kwargs.pop("row_spans", None)
+    decode_kernel = kwargs.pop("decode_kernel", "off")
     special = ("softcap", "position_bias", "s_aux", "sinks", "cache")
     if any(kwargs.get(name) is not None for name in special) or kwargs.get("output_attentions"):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
     q_length = query.shape[2]
-    if q_length == 1 and not dropout:
-        out = kernel_decode_attention(query, key, value, attention_mask, scaling)
+    if q_length == 1 and not dropout and decode_kernel != "off":
+        out = kernel_decode_attention(
+            query, key, value, attention_mask, scaling, mode=decode_kernel
+        )
         if out is not None:
             return out, None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = q_length > 1 and attention_mask is None and is_causal
     if is_causal and key.shape[2] > q_length:  # as HF: an empty static cache's prefill
         key, value = key[:, :, :q_length], value[:, :, :q_length]
-    spans = current_row_spans()
     if spans is None or is_causal:
         spans = [(0, query.shape[0], key.shape[2])]
     heads, kv_heads = query.shape[1], key.shape[1]

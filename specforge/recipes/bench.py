@@ -19,6 +19,7 @@ from tqdm import tqdm
 from specforge.config import SpecForgeConfig, to_dict, torch_dtype
 from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.questions import ask_turns, load_questions, resolve_question_set
+from specforge.engine.target import build_engine
 from specforge.errors import UserError
 from specforge.models.adapter import text_config
 from specforge.models.int8_linear import quantize_linears
@@ -36,6 +37,7 @@ def bench_settings(cfg: SpecForgeConfig, questions: str) -> dict[str, Any]:
     """The settings a report records (``bench.json``'s ``settings``)."""
     return {
         **to_dict(cfg.bench),
+        "engine_compile": cfg.engine.compile,
         "target": cfg.target.name_or_path,
         "device": cfg.target.device,
         "draft": str(cfg.bench_draft),
@@ -67,16 +69,19 @@ def build_comparison(cfg: SpecForgeConfig) -> tuple[MethodComparison, Any]:
     returns the comparison and the tokenizer."""
     bc = cfg.bench
     target, tokenizer = load_target(cfg.target, dtype=bc.dtype)
+    aux_layer_ids = exported_aux_layer_ids(
+        cfg.bench_draft, text_config(target.config).num_hidden_layers
+    )
+    engine = build_engine(target, aux_layer_ids=aux_layer_ids, compile=cfg.engine.compile)
     decoder = SpeculativeDecoder(
         target,
         load_bench_draft(cfg, target, bc.draft_dtype, bc.draft_quantize),
-        aux_layer_ids=exported_aux_layer_ids(
-            cfg.bench_draft, text_config(target.config).num_hidden_layers
-        ),
+        aux_layer_ids=aux_layer_ids,
         num_steps=bc.num_steps,
         topk=bc.topk,
         num_draft_tokens=bc.num_draft_tokens,
         max_siblings=bc.auto_siblings,
+        engine=engine,
     )
     comparison = MethodComparison(
         target,
@@ -86,6 +91,7 @@ def build_comparison(cfg: SpecForgeConfig) -> tuple[MethodComparison, Any]:
         eos_token_ids=end_of_turn_ids(tokenizer, target.generation_config),
         pad_token_id=pad_id_of(tokenizer, target.generation_config),
         target_compile=bc.target_compile,
+        engine=engine,
     )
     return comparison, tokenizer
 
@@ -109,7 +115,7 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
     comparison, tokenizer = build_comparison(cfg)
     device = cfg.target.device
     hello = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}])
-    comparison.warm_up(torch.tensor([hello], device=device))
+    warm_up_seconds = comparison.warm_up(torch.tensor([hello], device=device))
     decoder = comparison.decoder
     tally = BenchTally(num_steps=decoder.num_steps)
     progress = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn")
@@ -140,6 +146,11 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
             ],
         }
     result = bench_report(tally, bench_settings(cfg, questions_source), calibration)
+    if comparison.engine is not None:
+        engine = comparison.engine.stats.as_dict()
+        result["engine"] = {**engine, "warm_up_seconds": round(warm_up_seconds, 1)}
+    else:
+        result["engine"] = None
     write_report(result, cfg.bench_dir)
     return result
 

@@ -77,6 +77,10 @@ DRAFTING_PASSES = 1.5
 """The bench's speculative pass over a turn, in passes of the target alone: it ran at 0.7-1.2x
 the target's speed on the CPUs measured (docs/results.md), so 1.5 leaves a margin."""
 
+ENGINE_WARM_UP_SECONDS = 150.0
+"""The bench's compilation of the engine with a cold compile cache, on a 2-core CPU (the
+warm-up ``bench.json`` reports; docs/results.md), rounded up."""
+
 TIMED_TOKENS = 32
 """Greedy tokens timed to estimate the bench's per-token cost (after one untimed warm-up)."""
 
@@ -84,7 +88,8 @@ TIMED_TOKENS = 32
 def estimate_bench_seconds(cfg: SpecForgeConfig) -> float:
     """The export and bench's time, from the bench's own workload: every turn of
     ``bench.questions`` decodes up to ``bench.max_new_tokens`` tokens with the target alone,
-    with the draft (:data:`DRAFTING_PASSES`) and, when on, with prompt lookup, each token at the
+    twice (HF ``generate`` and the engine), with the draft (:data:`DRAFTING_PASSES`) and, when
+    on, with prompt lookup, plus the engine's compilation, each token at the
     per-token time of the target loaded as the bench loads it (``bench.dtype``), timed on the
     first question's first turn. 0 for ``bench.engine: sglang`` (the server decodes)."""
     bc = cfg.bench
@@ -108,8 +113,10 @@ def estimate_bench_seconds(cfg: SpecForgeConfig) -> float:
     start = time.perf_counter()
     decode(TIMED_TOKENS)
     seconds_per_token = (time.perf_counter() - start) / TIMED_TOKENS
-    passes = 1 + DRAFTING_PASSES + (1 if bc.prompt_lookup_num_tokens else 0)
-    return turns * bc.max_new_tokens * passes * seconds_per_token
+    # the target alone through HF generate and through the engine, the draft, prompt lookup
+    passes = 2 + DRAFTING_PASSES + (1 if bc.prompt_lookup_num_tokens else 0)
+    warm_up = ENGINE_WARM_UP_SECONDS if cfg.engine.compile != "false" else 0.0
+    return turns * bc.max_new_tokens * passes * seconds_per_token + warm_up
 
 
 def train_minutes(qc: QuickstartConfig, prepare_seconds: float, bench_seconds: float) -> float:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from specforge.engine.target import TargetEngine
 from specforge.io import write_json_atomic, write_text_atomic
 from specforge.serving.advice import advice_markdown, sglang_advice
 from specforge.serving.speculative import SpecStats, SpeculativeDecoder
@@ -31,8 +32,11 @@ from specforge.serving.speculative import SpecStats, SpeculativeDecoder
 logger = logging.getLogger(__name__)
 
 
-METHODS = ("target", "prompt_lookup", "eagle3")
-"""The target alone (HF ``generate``), prompt-lookup decoding, and our EAGLE-3 runtime."""
+METHODS = ("target", "target_hf", "prompt_lookup", "eagle3")
+"""The target alone through the engine the runtime verifies with (compiled where
+``engine.compile`` says; HF ``generate`` where no engine runs the target), the target alone
+through HF's default ``generate`` (the reference outputs), prompt-lookup decoding, and our
+EAGLE-3 runtime. Speedups are against ``target``."""
 
 
 def _timed(fn):
@@ -101,8 +105,12 @@ class MethodComparison:
         eos_token_ids: list[int],
         pad_token_id: int,
         target_compile: bool = False,
+        engine: TargetEngine | None = None,
     ):
         self.target = target
+        self.engine = engine
+        self.engine_matched: bool | None = None
+        """Whether the last turn's target alone through the engine equalled HF's output."""
         self.target_kwargs = compiled_generate_kwargs() if target_compile else {}
         self.decoder = decoder
         self.max_new_tokens = max_new_tokens
@@ -115,11 +123,20 @@ class MethodComparison:
             self.target, ids, max_new_tokens, eos_token_ids=self.eos, pad_token_id=self.pad, **extra
         )
 
-    def warm_up(self, ids: torch.Tensor) -> None:
-        """Every path once (allocations, lazy init, compilation) before anything is timed."""
+    def engine_generate(self, ids: torch.Tensor) -> list[int]:
+        """The target alone through the engine (greedy)."""
+        return self.engine.generate(ids, max_new_tokens=self.max_new_tokens, eos_token_ids=self.eos)
+
+    def warm_up(self, ids: torch.Tensor) -> float:
+        """Every path once (allocations, lazy init, compilation) before anything is timed;
+        returns the seconds it took (with a cold compile cache, mostly compilation)."""
+        start = time.perf_counter()
         self.target_generate(ids, self.max_new_tokens, **self.target_kwargs)
         self.target_generate(ids, self.max_new_tokens)
-        self.decoder.generate(ids, max_new_tokens=8, eos_token_ids=self.eos)
+        if self.engine is not None:
+            self.engine_generate(ids)
+        self.decoder.generate(ids, max_new_tokens=self.max_new_tokens, eos_token_ids=self.eos)
+        return time.perf_counter() - start
 
     def run(self, ids: torch.Tensor, tally: BenchTally, **turn_info) -> list[int]:
         """Generate ``ids`` (1, T) with each method, add the turn to ``tally``; returns the
@@ -129,11 +146,17 @@ class MethodComparison:
         return reference
 
     def run_baselines(self, ids: torch.Tensor, tally: BenchTally) -> tuple[list[int], list]:
-        """The target alone and prompt-lookup decoding (when on) on ``ids``, timed into
-        ``tally``; returns both outputs (the target's is the reference)."""
-        reference, t_target = _timed(
+        """The target alone (through HF ``generate``, and through the engine when there is
+        one) and prompt-lookup decoding (when on) on ``ids``, timed into ``tally``; returns the
+        reference (HF ``generate``'s output) and prompt lookup's. Whether the engine's output
+        was the reference is kept for the turn (:attr:`engine_matched`)."""
+        reference, t_hf = _timed(
             lambda: self.target_generate(ids, self.max_new_tokens, **self.target_kwargs)
         )
+        t_target, self.engine_matched = t_hf, None
+        if self.engine is not None:
+            alone, t_target = _timed(lambda: self.engine_generate(ids))
+            self.engine_matched = alone == reference
         lookup, t_lookup = [], 0.0
         if self.prompt_lookup_num_tokens:
             lookup, t_lookup = _timed(
@@ -143,6 +166,7 @@ class MethodComparison:
             )
         for name, out, spent in (
             ("target", reference, t_target),
+            ("target_hf", reference, t_hf),
             ("prompt_lookup", lookup, t_lookup),
         ):
             tally.seconds[name] += spent
@@ -178,6 +202,7 @@ class MethodComparison:
                 "emitted": stats.emitted,
                 "accepted_per_round": stats.accepted_per_round,
                 "match": spec == reference,
+                "engine_match": self.engine_matched,
                 "prompt_lookup_match": lookup == reference
                 if self.prompt_lookup_num_tokens
                 else None,
@@ -252,8 +277,14 @@ def bench_report(
     return {
         **_tau(turns),
         "speedup": speed["eagle3"] / speed["target"],
+        "speedup_vs_hf_generate": speed["eagle3"] / speed["target_hf"],
+        "target_vs_hf_generate": speed["target"] / speed["target_hf"],
         "speedup_prompt_lookup": speed["prompt_lookup"] / speed["target"] if lookup else None,
         "all_match": all(r["match"] for r in turns),
+        # the target alone through the engine gave HF generate's outputs (None: no engine)
+        "engine_all_match": None
+        if any(r.get("engine_match") is None for r in turns)
+        else all(r["engine_match"] for r in turns),
         "match_rate": sum(r["match"] for r in turns) / max(len(turns), 1),
         "prompt_lookup_all_match": all(r["prompt_lookup_match"] for r in turns) if lookup else None,
         "tokens_per_s": speed,
@@ -274,6 +305,17 @@ def bench_report(
     }
 
 
+def baseline_words(engine: dict[str, Any] | None) -> str:
+    """What the target alone that speedups are measured against ran on (``bench.md``)."""
+    if not engine:
+        return "the target alone through HF generate (no engine ran this target)"
+    how = "compiled" if engine["compiled"] else "eager"
+    return (
+        f"the target alone through the same engine, {how} ({engine['compilations']} graphs "
+        f"compiled, {engine['warm_up_seconds']} s of warm-up)"
+    )
+
+
 def _times(ratio: float | None) -> str:
     return "(not run)" if ratio is None else f"{ratio:.2f}x"
 
@@ -289,18 +331,19 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         f"target `{s['target']}` ({s['dtype']}, {s['device']}), draft `{s['draft']}` "
         f"({s['draft_dtype']}{', int8 weights' if s.get('draft_quantize') == 'int8' else ''}), "
         f"num_steps={s['num_steps']}, topk={s['topk']}, num_draft_tokens={s['num_draft_tokens']},"
-        f" max_new_tokens={s['max_new_tokens']}, greedy, batch size 1; the target alone decodes "
-        + (
-            "with a static cache and torch.compile"
-            if s.get("target_compile")
-            else "with HF generate's dynamic cache"
-        ),
+        f" max_new_tokens={s['max_new_tokens']}, greedy, batch size 1; speedups are against "
+        + baseline_words(result.get("engine")),
         "",
         "| metric | value |",
         "|---|---|",
         f"| tau (emitted / verifications, prefill token excluded) | {result['tau']:.3f} |",
         f"| tau_sglang (completion tokens / verify count) | {result['tau_sglang']:.3f} |",
-        f"| speedup over the target alone | {result['speedup']:.2f}x |",
+        f"| speedup over the target alone (the baseline above) | {result['speedup']:.2f}x |",
+        f"| speedup over HF generate (dynamic cache, eager) | "
+        f"{result['speedup_vs_hf_generate']:.2f}x |",
+        f"| the target alone through the engine, against HF generate | "
+        f"{result['target_vs_hf_generate']:.2f}x (outputs identical: "
+        f"{result['engine_all_match']}) |",
         f"| prompt-lookup speedup | {_times(result['speedup_prompt_lookup'])} |",
         f"| all outputs identical to the target's | {result['all_match']} "
         f"({result['match_rate']:.1%}) |",

@@ -30,6 +30,8 @@ import torch
 from specforge.config import AUTO_MAX_DEPTH
 from specforge.data.generation import warp_probs
 from specforge.data.kv_cache import growing_cache
+from specforge.engine.cache import SlotKVCache
+from specforge.engine.target import TargetEngine
 from specforge.errors import UserError
 from specforge.models.adapter import check_logits, serving_refusal, tree_refusal
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
@@ -162,6 +164,9 @@ def gather_cache(cache, prefix: int, rows: list[int]) -> None:
     """Keep the first ``prefix`` positions of every layer of an HF cache and, after them,
     positions ``prefix + r`` for ``r`` in ``rows`` (increasing); the rest is dropped. Rows
     already in their slot stay; the others move into place, then the cache is cropped."""
+    if isinstance(cache, SlotKVCache):
+        cache.gather(prefix, rows)
+        return
     moved = next((slot for slot, row in enumerate(rows) if row != slot), len(rows))
     end = prefix + len(rows)
     if moved < len(rows):
@@ -179,6 +184,16 @@ def _joined(pending, new):
     if pending is None:
         return new
     return tuple(torch.cat([old, more], 1) for old, more in zip(pending, new, strict=True))
+
+
+def _check_tree_size(topk: int, num_steps: int, num_draft_tokens: int | None) -> None:
+    """A tree (``topk > 1``) needs a size between 2 and the most its levels hold."""
+    largest = 1 + topk + (num_steps - 1) * topk * topk
+    if topk > 1 and not (num_draft_tokens and 2 <= num_draft_tokens <= largest):
+        raise UserError(
+            f"tree drafting needs 2 <= num_draft_tokens <= {largest} for topk={topk}, "
+            f"num_steps={num_steps}; got {num_draft_tokens}"
+        )
 
 
 class SpeculativeDecoder:
@@ -203,6 +218,7 @@ class SpeculativeDecoder:
         temperature: float = 0.0,
         top_p: float = 1.0,
         max_siblings: int = AUTO_MAX_SIBLINGS,
+        engine: TargetEngine | None = None,
     ):
         """
         Args:
@@ -221,6 +237,8 @@ class SpeculativeDecoder:
             max_siblings: greedy ``auto``: at most this many further candidates for the first
                 draft position verified beside the chain where the costs say they pay (0:
                 chains only; none on a target whose attention cannot verify a tree).
+            engine: a :class:`~specforge.engine.target.TargetEngine` over ``target_model`` that
+                runs its forwards, or ``None``: transformers' forward with a growing cache.
 
         Raises:
             UserError: inconsistent drafting settings, or a target the runtime cannot serve
@@ -239,17 +257,13 @@ class SpeculativeDecoder:
             raise UserError(f"max_siblings must be in 0..{AUTO_MAX_DEPTH}, got {max_siblings}")
         if temperature < 0 or not 0 < top_p <= 1:
             raise UserError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-        largest = 1 + topk + (num_steps - 1) * topk * topk
-        if topk > 1 and not (num_draft_tokens and 2 <= num_draft_tokens <= largest):
-            raise UserError(
-                f"tree drafting needs 2 <= num_draft_tokens <= {largest} for topk={topk}, "
-                f"num_steps={num_steps}; got {num_draft_tokens}"
-            )
-        no_tree = tree_refusal(target_model)
+        _check_tree_size(topk, num_steps, num_draft_tokens)
+        no_tree = None if engine is not None else tree_refusal(target_model)
         refusal = serving_refusal(target_model) or (topk > 1 and no_tree)
         if refusal:
             raise UserError(refusal)
         self.target = target_model
+        self.engine = engine
         self.transform = check_logits(target_model)
         """What the target does to ``lm_head``'s output (verification uses its logits)."""
         self.draft_model = draft_model
@@ -278,7 +292,7 @@ class SpeculativeDecoder:
         repeated): the target's forward over 1 .. ``num_steps + 1`` new tokens, one draft
         step."""
         ids = input_ids.to(self.device).repeat(1, -(-context // input_ids.shape[1]))[:, :context]
-        target_cache, draft_cache = growing_cache(), DraftKVCache()
+        target_cache, draft_cache = self._target_cache(context), DraftKVCache()
         _, aux = self._target_forward(ids, target_cache, logits_to_keep=1)
         _, hidden = self._draft_extend(ids[:, 1:], aux[:, :-1], 0, draft_cache)
         token = ids[:, -1:]
@@ -296,12 +310,27 @@ class SpeculativeDecoder:
 
     # -- the target --------------------------------------------------------------------------
 
+    def _target_cache(self, tokens: int):
+        """An empty target cache with room for ``tokens`` plus the widest verification."""
+        if self.engine is None:
+            return growing_cache()
+        widest = 1 + max(self.num_steps, self.num_draft_tokens or 0) + self.max_siblings
+        return self.engine.new_cache(tokens + widest)
+
     @torch.no_grad()
-    def _target_forward(self, input_ids: torch.Tensor, cache, positions=None, logits_to_keep=0):
+    def _target_forward(
+        self, input_ids: torch.Tensor, cache, positions=None, logits_to_keep=0, visible=None
+    ):
         """Target logits (T, V) and fused-aux inputs (1, T, 3 * Ht) for new tokens ``input_ids``
-        (1, T), extending ``cache`` (tree verification passes positions, inside
-        :func:`tree_attention`). ``logits_to_keep``: logits of the last this many positions
-        only (0: all; a prefill needs its last alone, as HF's ``generate`` computes)."""
+        (1, T), extending ``cache`` (tree verification passes positions and, through the
+        engine, the (T, T) ``visible`` table; else inside :func:`tree_attention`).
+        ``logits_to_keep``: logits of the last this many positions only (0: all; a prefill
+        needs its last alone, as HF's ``generate`` computes)."""
+        if self.engine is not None:
+            keep = logits_to_keep
+            return self.engine.forward(
+                input_ids, cache, positions=positions, visible=visible, logits_to_keep=keep
+            )
         states = target_hidden_states(
             self.target,
             input_ids,
@@ -470,8 +499,11 @@ class SpeculativeDecoder:
         seconds it took."""
         start = self._clock()
         ids, positions, visible = verification_inputs(tree, next_token, length)
-        with tree_attention(self.target, positions[0], visible, prefix=length):
-            target_logits, aux = self._target_forward(ids, target_cache, positions)
+        if self.engine is not None:
+            target_logits, aux = self._target_forward(ids, target_cache, positions, visible=visible)
+        else:
+            with tree_attention(self.target, positions[0], visible, prefix=length):
+                target_logits, aux = self._target_forward(ids, target_cache, positions)
         seconds = self._clock() - start
         stats.verify_seconds += seconds
         return target_logits, aux, seconds
@@ -636,7 +668,8 @@ class SpeculativeDecoder:
         prompt_length = input_ids.shape[1]
         # prefill: the target over the prompt, then the draft over its features
         # both caches append in place (spare columns) and crop by moving their end
-        target_cache, draft_cache = growing_cache(), DraftKVCache()
+        target_cache = self._target_cache(prompt_length + max_new_tokens)
+        draft_cache = DraftKVCache()
         self.generator = generator
         logits, aux = self._target_forward(input_ids, target_cache, logits_to_keep=1)
         next_token = self._plain_token(logits[-1])

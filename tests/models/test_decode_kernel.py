@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specforge.data.kv_cache import decode_kernel_mode
 from specforge.errors import UserError
 from specforge.models.decode_kernel import (
     NAME,
@@ -61,8 +60,7 @@ def sdpa(query, key, value, mask):
 def test_kernel_gives_sdpas_attention(dtype, heads, kv_heads, size):
     kernel_or_skip()
     query, key, value, mask = decode_inputs(6, heads, kv_heads, size, 53, dtype)
-    with decode_kernel_mode("on"):
-        out = kernel_decode_attention(query, key, value, mask, None)
+    out = kernel_decode_attention(query, key, value, mask, None, mode="on")
     assert out.dtype == dtype and out.shape == (6, 1, heads, size)
     reference = sdpa(query, key, value, mask)
     tolerance = 2e-6 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
@@ -73,33 +71,28 @@ def test_kernel_takes_a_scale_and_a_missing_or_broadcast_mask():
     kernel_or_skip()
     query, key, value, _ = decode_inputs(3, 9, 3, 64, 20, torch.float32)
     reference = F.scaled_dot_product_attention(query, key, value, enable_gqa=True, scale=0.3)
-    with decode_kernel_mode("on"):
-        unmasked = kernel_decode_attention(query, key, value, None, 0.3)
-        broadcast = torch.ones(1, 1, 1, 20, dtype=torch.bool)
-        shared = kernel_decode_attention(query, key, value, broadcast, 0.3)
+    unmasked = kernel_decode_attention(query, key, value, None, 0.3, mode="on")
+    broadcast = torch.ones(1, 1, 1, 20, dtype=torch.bool)
+    shared = kernel_decode_attention(query, key, value, broadcast, 0.3, mode="on")
     for out in (unmasked, shared):
         torch.testing.assert_close(out, reference.transpose(1, 2), atol=2e-6, rtol=2e-6)
 
 
 def test_kernel_runs_only_where_asked():
     query, key, value, mask = decode_inputs(2, 9, 3, 64, 10, torch.float32)
-    assert kernel_decode_attention(query, key, value, mask, None) is None  # outside a block
-    with decode_kernel_mode("off"):
-        assert kernel_decode_attention(query, key, value, mask, None) is None
-    with decode_kernel_mode("auto"):  # a head size it lacks: SDPA instead
-        assert (
-            kernel_decode_attention(query[..., :32], key[..., :32], value[..., :32], mask, None)
-            is None
-        )
+    assert kernel_decode_attention(query, key, value, mask, None) is None  # off by default
+    assert kernel_decode_attention(query, key, value, mask, None, mode="off") is None
+    # a head size it lacks: SDPA instead
+    short = (query[..., :32], key[..., :32], value[..., :32], mask, None)
+    assert kernel_decode_attention(*short, mode="auto") is None
 
 
 def test_kernel_on_refuses_what_it_cannot_run():
     query, key, value, mask = decode_inputs(2, 9, 3, 32, 10, torch.float32)
-    with decode_kernel_mode("on"), pytest.raises(UserError, match="head sizes.*not 32"):
-        kernel_decode_attention(query, key, value, mask, None)
+    with pytest.raises(UserError, match="head sizes.*not 32"):
+        kernel_decode_attention(query, key, value, mask, None, mode="on")
     with pytest.raises(ValueError, match="one of .*'sometimes'"):
-        with decode_kernel_mode("sometimes"):
-            pass
+        kernel_decode_attention(query, key, value, mask, None, mode="sometimes")
 
 
 # -- the build: a time limit, stale locks, a folder per source ----------------------------------
@@ -221,8 +214,7 @@ def test_kernel_at_realistic_shapes(rows, heads, kv_heads, size, columns):
     query = query * 30  # large scores: the softmax subtracts the row's maximum
     if columns > 1:
         mask[1] = False  # a row with no key at all
-    with decode_kernel_mode("on"):
-        out = kernel_decode_attention(query, key, value, mask, None)
+    out = kernel_decode_attention(query, key, value, mask, None, mode="on")
     assert torch.isfinite(out).all()
     reference = sdpa(query, key, value, mask)
     live = [r for r in range(rows) if mask[r].any()]

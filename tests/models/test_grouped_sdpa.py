@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specforge.data.kv_cache import attention_row_spans, cache_kwargs
+from specforge.data.kv_cache import cache_kwargs
 from specforge.models.target import GROUPED_SDPA, use_grouped_sdpa
 from tests.helpers import make_tiny_llama
 
@@ -75,13 +75,13 @@ def test_row_spans_read_only_real_columns_and_change_nothing():
         cache = DynamicCache()
         model(ids, attention_mask=mask, position_ids=positions, **cache_kwargs(model, cache))
         step_mask = torch.cat([mask, torch.ones(len(lengths), 1, dtype=mask.dtype)], 1)
-        with attention_row_spans(spans):
-            return model(
-                torch.randint(1, 96, (len(lengths), 1), generator=torch.Generator().manual_seed(2)),
-                attention_mask=step_mask,
-                position_ids=mask.sum(-1, keepdim=True),
-                **cache_kwargs(model, cache),
-            ).logits
+        return model(
+            torch.randint(1, 96, (len(lengths), 1), generator=torch.Generator().manual_seed(2)),
+            attention_mask=step_mask,
+            position_ids=mask.sum(-1, keepdim=True),
+            **cache_kwargs(model, cache),
+            row_spans=spans,
+        ).logits
 
     full = decode([(0, len(lengths), width + 1)])
     spans = decode([(0, 1, 14), (1, 3, 10), (3, 4, 2)])

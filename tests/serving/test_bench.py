@@ -71,14 +71,28 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
     weights = ", int8 weights" if quantize == "int8" else ""
     assert draft_dtype in ("bfloat16", "float32") and f"({draft_dtype}{weights})" in report
     assert quantize in ("int8", "none")
+    # the baseline is the target alone through the engine the runtime verifies with,
+    # compiled (engine.compile auto on a CPU with a compiler), within its two graphs, and its
+    # outputs were HF generate's; the report names it and the speedup over HF generate too
+    engine = result["engine"]
+    assert result["settings"]["engine_compile"] == "true" and engine["compiled"] is True
+    assert 1 <= engine["compilations"] <= 2 and engine["warm_up_seconds"] > 0
+    assert result["engine_all_match"] is True and result["speedup_vs_hf_generate"] > 0
+    assert "the target alone through the same engine, compiled" in report
+    assert result["tokens_per_s"]["target"] > 0 and result["tokens_per_s"]["target_hf"] > 0
     progress = capsys.readouterr().err  # a sign of life: turns done, tokens/s, running tau
     assert "bench: 100%" in progress and "3/3" in progress and "tau=" in progress
 
 
 def test_bench_auto_depth_reports_its_calibration_and_chosen_depths(tmp_path, peaked_target_dir):
-    out = _bench(tmp_path, peaked_target_dir, "--num-steps", "auto", "--max-new-tokens", "24")
+    out = _bench(
+        tmp_path,
+        peaked_target_dir,
+        *("--num-steps", "auto", "--max-new-tokens", "24", "--compile", "false"),
+    )
     result = json.loads((out / "bench.json").read_text())
-    assert result["all_match"] is True
+    assert result["all_match"] is True and result["engine_all_match"] is True
+    assert result["engine"]["compiled"] is False and result["engine"]["compilations"] == 0
     rounds = sum(len(t["accepted_per_round"]) for t in result["turn_details"])
     assert sum(result["depth_histogram"].values()) == rounds
     assert 0 <= result["dormant_rounds"] <= result["depth_histogram"].get("0", 0)

@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 
 from specforge.data.generation import NUCLEUS_CANDIDATES, warp_probs
 from specforge.data.vocab import build_vocab_map
+from specforge.engine.target import TargetEngine
 from specforge.models.eagle3 import Eagle3Config, build_draft_model
 from specforge.models.int8_linear import int8_linear_available, quantize_linears
 from specforge.serving.sampling import accept_chain_sampling, accept_tree_sampling
@@ -36,6 +37,12 @@ def models():
     return target, draft
 
 
+@pytest.fixture(scope="module")
+def compiled_engine(models):
+    """The target's compiled engine, built once for the module (its graphs too)."""
+    return TargetEngine(models[0], aux_layer_ids=[1, 1, 0], compile=True)
+
+
 def exact_joint(target, length: int, top_p: float) -> dict[tuple[int, ...], float]:
     """P(first `length` sampled tokens) under the target, by enumerating prefixes."""
     probs = {(): 1.0}
@@ -51,8 +58,9 @@ def exact_joint(target, length: int, top_p: float) -> dict[tuple[int, ...], floa
     return probs
 
 
-def sampling_decoder(target, draft, num_steps, topk, num_draft_tokens, top_p=1.0):
-    """The runtime sampling at :data:`TEMPERATURE` over the tiny target's aux layers."""
+def sampling_decoder(target, draft, num_steps, topk, num_draft_tokens, top_p=1.0, engine=None):
+    """The runtime sampling at :data:`TEMPERATURE` over the tiny target's aux layers (its
+    forwards through ``engine`` when one is given)."""
     return SpeculativeDecoder(
         target,
         draft,
@@ -62,6 +70,7 @@ def sampling_decoder(target, draft, num_steps, topk, num_draft_tokens, top_p=1.0
         num_draft_tokens=num_draft_tokens,
         temperature=TEMPERATURE,
         top_p=top_p,
+        engine=engine,
     )
 
 
@@ -105,19 +114,34 @@ def chi_square_p(counts, expected_probs, min_expected=5.0) -> float:
         (1, "auto", None, 1.0, torch.float32),
         (1, 2, None, 1.0, torch.bfloat16),  # bench.draft_dtype beside a float32 target
         (1, 2, None, 1.0, "int8"),  # bench.draft_quantize: bfloat16 with int8 weights
+        (1, 2, None, 1.0, "engine"),  # the target's forwards through the compiled engine
+        (2, 2, 4, 1.0, "engine"),
     ],
-    ids=["chain", "chain-top-p", "tree", "chain-auto-depth", "chain-bfloat16-draft", "chain-int8"],
+    ids=[
+        "chain",
+        "chain-top-p",
+        "tree",
+        "chain-auto-depth",
+        "chain-bfloat16-draft",
+        "chain-int8",
+        "chain-compiled-engine",
+        "tree-compiled-engine",
+    ],
 )
 def test_speculative_sampling_matches_the_target(
-    models, topk, num_steps, num_draft_tokens, top_p, draft_dtype
+    models, compiled_engine, topk, num_steps, num_draft_tokens, top_p, draft_dtype
 ):
     target, draft = models
+    engine = compiled_engine if draft_dtype == "engine" else None
+    draft_dtype = torch.float32 if draft_dtype == "engine" else draft_dtype
     draft = copy.deepcopy(draft).to(torch.bfloat16 if draft_dtype == "int8" else draft_dtype)
     if draft_dtype == "int8":
         if not int8_linear_available():
             pytest.skip("no int8 kernel in this build")
         quantize_linears(draft)
-    decoder = sampling_decoder(target, draft, num_steps, topk, num_draft_tokens, top_p=top_p)
+    decoder = sampling_decoder(
+        target, draft, num_steps, topk, num_draft_tokens, top_p=top_p, engine=engine
+    )
     # tokens 2 and 3 are decided by the first verification round
     counts = draw(decoder, 3)
     expected = exact_joint(target, 3, top_p)

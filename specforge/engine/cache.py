@@ -1,0 +1,92 @@
+"""A KV cache preallocated once and written by slot (DESIGN §7.1).
+
+Each layer holds ``(rows, kv_heads, capacity, head_dim)`` key and value buffers. A forward writes
+its new tokens' keys and values at the slots the engine names (``slots``, passed down to the
+cache by the model's attention) and reads the first ``key_span`` slots, a size taken from a short
+list of buckets, so a compiled forward sees few shapes. What the cache holds is a length: a crop
+moves it, a tree's accepted path is moved into place by :meth:`SlotKVCache.gather`, and nothing
+is reallocated while a sequence lives.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class SlotKVLayer(CacheLayerMixin):
+    """One layer's preallocated keys and values, written at the slots a forward names."""
+
+    is_compileable = True
+    is_croppable = True
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # (B, H_kv, capacity + 1, D) each, zeros: a slot never written is masked, never NaN;
+        # the spare last slot is never read, so every span is a strict prefix of the buffers
+        # (a compiled read of all of them would be another graph)
+        shape = (*key_states.shape[:2], self.capacity + 1)
+        self.keys = key_states.new_zeros(*shape, key_states.shape[-1])
+        self.values = value_states.new_zeros(*shape, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Write ``key_states``/``value_states`` (B, H_kv, T, D) at ``slots`` (T,) and return the
+        first ``key_span`` slots of the buffers (both passed by the engine's forward, which HF's
+        attention hands on as ``kwargs``)."""
+        options = kwargs.get("kwargs") or kwargs
+        slots, span = options["slots"], options["key_span"]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys.index_copy_(2, slots, key_states)
+        self.values.index_copy_(2, slots, value_states)
+        return self.keys[:, :, :span], self.values[:, :, :span]
+
+    def get_seq_length(self) -> int:
+        raise NotImplementedError("a SlotKVCache's length is the cache's, not a layer's")
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        raise NotImplementedError("the engine passes its own masks")
+
+
+class SlotKVCache(Cache):
+    """A preallocated HF cache of ``num_layers`` :class:`SlotKVLayer` layers holding ``length``
+    positions in slots ``0 .. length - 1``; slots past ``length`` are free (masked)."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        super().__init__(layers=[SlotKVLayer(capacity) for _ in range(num_layers)])
+        self.capacity = capacity
+        self.length = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    @property
+    def allocated(self) -> bool:
+        """Whether a forward has allocated the buffers (the first one does)."""
+        return self.layers[0].is_initialized
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` positions (HF's convention: a negative count drops that
+        many from the end)."""
+        self.length = max(self.length + max_length if max_length < 0 else max_length, 0)
+
+    def gather(self, prefix: int, rows: list[int]) -> None:
+        """Keep slots ``0 .. prefix - 1`` and then slots ``prefix + r`` for ``r`` in ``rows``
+        (increasing), moved into ``prefix, prefix + 1, ...``; the length becomes
+        ``prefix + len(rows)``."""
+        moved = next((slot for slot, row in enumerate(rows) if row != slot), len(rows))
+        end = prefix + len(rows)
+        if moved < len(rows):
+            for layer in self.layers:
+                index = torch.tensor([prefix + r for r in rows[moved:]], device=layer.keys.device)
+                # the source slots are gathered first, so overlapping slots are safe
+                layer.keys[:, :, prefix + moved : end] = layer.keys[:, :, index]
+                layer.values[:, :, prefix + moved : end] = layer.values[:, :, index]
+        self.length = end

@@ -1,0 +1,272 @@
+"""The target's forward through the engine: a preallocated cache written by slot
+(:class:`~specforge.engine.cache.SlotKVCache`), an explicit mask, and the decoder's layers run in
+one function that ``torch.compile`` can capture whole (no hooks, no context state).
+
+Shapes are a budget. A forward's token count ``T`` and key span (the cache slots it reads,
+rounded up to a multiple of :data:`SPAN_STEP`) are the only sizes that vary; the function is
+compiled with both dynamic, so decoding needs at most two graphs (one token, several tokens);
+a new cache's first forward (the prompt, of any length) runs eagerly and allocates the
+cache's buffers, and a key span past the capacity is an error, never a new allocation. On a CUDA
+device it is compiled with CUDA graphs (``mode="reduce-overhead"``: one graph per shape,
+replayed).
+
+:class:`TargetEngine` checks itself before it serves: at construction its layer loop runs once
+beside the model's own forward on a short input, and a target whose decoder does more than the
+plain loop (embedding scales, per-layer windows, ...) is refused with the reason, so the caller
+decodes with transformers instead of trusting a different model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from specforge.config import resolve_engine_compile
+from specforge.data.kv_cache import cache_kwargs, growing_cache
+from specforge.engine.cache import SlotKVCache
+from specforge.errors import UserError
+from specforge.models.adapter import architecture, check_logits, find_decoder, text_config
+from specforge.models.target import check_aux_layer_ids, target_hidden_states
+
+logger = logging.getLogger(__name__)
+
+SPAN_STEP = 256
+"""Key spans are multiples of this many slots: the compiled attention reads at most this many
+free slots beyond a sequence's end, and a sequence crosses a new span every 256 tokens."""
+
+PROBE_TOKENS = 7
+"""Tokens of the construction check (:meth:`TargetEngine.refusal`)."""
+
+
+def key_span(end: int, capacity: int) -> int:
+    """The slots a forward whose last token sits at slot ``end - 1`` reads: ``end`` rounded up
+    to a multiple of :data:`SPAN_STEP`, at most ``capacity``."""
+    return min(-(-end // SPAN_STEP) * SPAN_STEP, capacity)
+
+
+def window_refusal(model: nn.Module) -> str | None:
+    """Why the engine's single full-attention mask does not fit this target, or ``None``:
+    layers with sliding windows or chunks need a mask of their own."""
+    config = text_config(model.config)
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    windowed = kinds - {"full_attention"} or any(
+        getattr(config, name, None) for name in ("sliding_window", "attention_chunk_size")
+    )
+    if windowed and getattr(config, "use_sliding_window", True) is not False:
+        return f"{architecture(model.config)} has windowed attention layers ({sorted(kinds)})"
+    return None
+
+
+@dataclass
+class EngineStats:
+    """What a :class:`TargetEngine` compiled and ran."""
+
+    compiled: bool
+    shapes: set[tuple[str, int]] = field(default_factory=set)
+    """``("1" or "T", key span)`` of every forward run: the shapes the compiled function met."""
+    compilations: int = 0
+    """Graphs the compiler built (dynamo's unique graphs while this engine ran)."""
+    compile_seconds: float = 0.0
+    """Wall time of forwards that compiled a graph (the warm-up a user waits for)."""
+
+    def as_dict(self) -> dict:
+        return {
+            "compiled": self.compiled,
+            "compilations": self.compilations,
+            "compile_seconds": round(self.compile_seconds, 2),
+            "shapes": sorted(f"{t}x{span}" for t, span in self.shapes),
+        }
+
+
+class TargetEngine:
+    """The target's forward over new tokens at given slots, eager or compiled, returning what
+    the speculative runtime and decoding need: float32 logits (after the target's own logit
+    transform) and the draft's fused auxiliary inputs.
+
+    Args:
+        model: an HF causal LM in eval mode (:func:`~specforge.models.target.load_target`).
+        aux_layer_ids: the three decoder layers the draft reads.
+        compile: run the layer loop through ``torch.compile`` (both sizes dynamic).
+
+    Raises:
+        UserError: a target the engine cannot run exactly (:meth:`refusal`).
+    """
+
+    def __init__(self, model: nn.Module, *, aux_layer_ids: list[int], compile: bool):
+        self.model = model
+        self.decoder, self.layers = find_decoder(model)
+        self.aux_layer_ids = check_aux_layer_ids(list(aux_layer_ids), len(self.layers))
+        ascending = sorted(range(3), key=lambda k: self.aux_layer_ids[k])
+        self._aux_order = [ascending.index(k) for k in range(3)]
+        """Where each aux layer's output sits among the captured ones (in layer order)."""
+        self.head = model.get_output_embeddings()
+        self.transform = check_logits(model)
+        self.device = next(model.parameters()).device
+        self._cache_keyword = next(iter(cache_kwargs(self.layers[0], None)))
+        self.stats = EngineStats(compiled=compile)
+        refusal = window_refusal(model) or self.refusal()
+        if refusal:
+            raise UserError(f"the compiled engine cannot run this target: {refusal}")
+        self._run = self._layers
+        if compile:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self._run = torch.compile(self._layers, dynamic=True, fullgraph=True, mode=mode)
+
+    def new_cache(self, capacity: int) -> SlotKVCache:
+        """An empty cache for one sequence of at most ``capacity`` tokens (rounded up to a
+        multiple of :data:`SPAN_STEP`, so every span is a bucket)."""
+        return SlotKVCache(len(self.layers), -(-capacity // SPAN_STEP) * SPAN_STEP)
+
+    def _layers(self, input_ids, positions, slots, mask, cache):
+        """The decoder's plain loop (what ``torch.compile`` captures): embeddings, rotary
+        positions, every layer writing its keys at ``slots``, the final norm. Returns the last
+        hidden states (1, T, H) and the aux layers' outputs (1, T, 3 * H)."""
+        hidden = self.decoder.embed_tokens(input_ids)
+        position_embeddings = self.decoder.rotary_emb(hidden, position_ids=positions)
+        captured = []
+        for index, layer in enumerate(self.layers):
+            hidden = layer(
+                hidden,
+                attention_mask=mask,
+                position_embeddings=position_embeddings,
+                position_ids=positions,
+                use_cache=True,
+                **{self._cache_keyword: cache},
+                slots=slots,  # the cache's options, handed on by HF's attention
+                key_span=mask.shape[-1],
+            )
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+            captured += [hidden] * self.aux_layer_ids.count(index)
+        # 3 x (1, T, H) -> (1, T, 3 * H), in the draft's layer order
+        fused = torch.cat([captured[i] for i in self._aux_order], -1)
+        return self.decoder.norm(hidden), fused
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: SlotKVCache,
+        *,
+        positions: torch.Tensor | None = None,
+        visible: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target over new tokens ``input_ids`` (1, T), written at slots ``cache.length ..
+        cache.length + T - 1``; the cache's length grows by ``T``.
+
+        Args:
+            positions: (1, T) rotary positions (a tree's depths); default the slots.
+            visible: (T, T) bool, new token ``i`` sees new token ``j`` (a tree); default
+                causal. Every new token sees the whole cached prefix.
+            logits_to_keep: logits of the last this many tokens only (0: all).
+
+        Returns:
+            Logits (T or ``logits_to_keep``, V) in float32 and the aux inputs (1, T, 3 * H).
+
+        Raises:
+            ValueError: more tokens than the cache has room for.
+        """
+        count, start = input_ids.shape[1], cache.length
+        end = start + count
+        if end > cache.capacity:
+            raise ValueError(f"{end} tokens exceed the cache's capacity of {cache.capacity}")
+        span = key_span(end, cache.capacity)
+        slots = torch.arange(start, end, device=self.device)
+        # fresh tensors, never views: a view's base is guarded too, so inputs that are views of
+        # different tensors (or of one another) would each be another graph
+        input_ids = input_ids.clone()
+        positions = (slots[None] if positions is None else positions).clone()
+        if visible is None:  # causal among the new tokens
+            visible = torch.ones(count, count, dtype=torch.bool, device=self.device).tril()
+        # (T, span): the cached prefix, then the new tokens as ``visible`` says, then free slots
+        mask = torch.zeros(count, span, dtype=torch.bool, device=self.device)
+        mask[:, :start] = True
+        mask[:, start:end] = visible
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        began = time.perf_counter()
+        # a new cache's first forward (the prompt) runs eagerly: it allocates the buffers
+        run = self._run if cache.allocated else self._layers
+        hidden, aux = run(input_ids, positions, slots, mask[None, None], cache)
+        built = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        if built:
+            self.stats.compilations += built
+            self.stats.compile_seconds += time.perf_counter() - began
+        self.stats.shapes.add(("1" if count == 1 else "T", span))
+        cache.length = end
+        rows = hidden[0, -logits_to_keep:]
+        return self.transform(self.head(rows).float()), aux
+
+    @torch.no_grad()
+    def refusal(self) -> str | None:
+        """Why the engine's layer loop is not the model's own forward, or ``None``: both run
+        on :data:`PROBE_TOKENS` tokens (a prefix, then one more), eagerly; their hidden and aux
+        states must agree within 1e-4 of their largest value in float32 (4 roundings in a
+        16-bit dtype)."""
+        generator = torch.Generator().manual_seed(0)
+        vocab = self.head.weight.shape[0]
+        ids = torch.randint(0, vocab, (1, PROBE_TOKENS), generator=generator).to(self.device)
+        ours, theirs, cache, hf_cache = [], [], self.new_cache(PROBE_TOKENS), growing_cache()
+        for part in (ids[:, :-1], ids[:, -1:]):
+            slots = torch.arange(cache.length, cache.length + part.shape[1], device=self.device)
+            mask = torch.ones(part.shape[1], SPAN_STEP, dtype=torch.bool, device=self.device)
+            mask = (torch.arange(SPAN_STEP, device=self.device) <= slots[:, None]) & mask
+            ours.append(self._layers(part, slots[None], slots, mask[None, None], cache))
+            cache.length += part.shape[1]
+            states = target_hidden_states(
+                self.model, part, aux_layer_ids=self.aux_layer_ids, past_key_values=hf_cache
+            )
+            theirs.append((states.last_hidden_state, states.aux_hidden_states))
+        for (hidden, aux), (hf_hidden, hf_aux) in zip(ours, theirs, strict=True):
+            for mine, reference in ((hidden, hf_hidden), (aux, hf_aux)):
+                scale = float(reference.abs().max()) or 1.0
+                # a different summation order (a masked span, not an exact one) rounds
+                # differently; a different model is off by the states' own size
+                eps = torch.finfo(reference.dtype).eps
+                tolerance = scale * (1e-4 if reference.dtype == torch.float32 else 4 * eps)
+                if not torch.allclose(mine.float(), reference.float(), rtol=0, atol=tolerance):
+                    difference = float((mine.float() - reference.float()).abs().max())
+                    return (
+                        f"{architecture(self.model.config)}'s decoder is not the plain layer "
+                        f"loop (its hidden states differ by {difference:.3g})"
+                    )
+        return None
+
+    @torch.no_grad()
+    def generate(
+        self, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_ids=()
+    ) -> list[int]:
+        """The target alone, greedy, through the engine: the new token ids after ``input_ids``
+        (1, T), stopping after an EOS (included)."""
+        cache = self.new_cache(input_ids.shape[1] + max_new_tokens)
+        logits, _ = self.forward(input_ids.to(self.device), cache, logits_to_keep=1)
+        output = [int(logits[-1].argmax())]
+        while len(output) < max_new_tokens and output[-1] not in eos_token_ids:
+            token = torch.tensor([[output[-1]]], device=self.device)
+            logits, _ = self.forward(token, cache)
+            output.append(int(logits[-1].argmax()))
+        return output
+
+
+def build_engine(
+    model: nn.Module, *, aux_layer_ids: list[int], compile: str
+) -> TargetEngine | None:
+    """The engine for ``model`` as ``engine.compile`` says (``auto`` resolved for the model's
+    device), or ``None`` where the engine cannot run the target exactly and ``compile`` is not
+    ``true``: the caller then decodes through transformers (a warning says why).
+
+    Raises:
+        UserError: ``compile`` ``true`` on a target the engine refuses.
+    """
+    device = next(model.parameters()).device
+    compile = resolve_engine_compile(compile, str(device))
+    try:
+        return TargetEngine(model, aux_layer_ids=aux_layer_ids, compile=compile == "true")
+    except UserError as error:
+        if compile == "true":
+            raise
+        logger.warning("%s; the target decodes through transformers instead", error)
+        return None

@@ -1,0 +1,120 @@
+"""The engine: a cache written by slot and the target's forward over a bounded set of shapes,
+eager and compiled, equal to transformers' own decoding (greedy, float32) for the target alone
+and for the speculative runtime (chain, tree, ``auto``), within two compiled graphs."""
+
+import pytest
+import torch
+
+from specforge.engine.cache import SlotKVCache
+from specforge.engine.target import SPAN_STEP, TargetEngine, key_span
+from specforge.errors import UserError
+from specforge.serving.speculative import SpeculativeDecoder
+from tests.helpers import greedy_reference, make_tiny_llama, tiny_draft
+
+VOCAB = 96
+AUX = [1, 1, 0]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_llama(VOCAB, num_layers=4, seed=3, initializer_range=0.2).float()
+
+
+@pytest.fixture(scope="module")
+def compiled(target):
+    """One compiled engine for the module's tests: its graphs are built once, by the first."""
+    return TargetEngine(target, aux_layer_ids=AUX, compile=True)
+
+
+def prompts(count: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (1, 3 + 4 * i), generator=generator) for i in range(count)]
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_the_target_alone_decodes_as_hf_generate(target, compiled, compile):
+    engine = compiled if compile else TargetEngine(target, aux_layer_ids=AUX, compile=False)
+    for prompt in prompts(4):
+        # 300 new tokens cross a key span (256 slots)
+        reference = greedy_reference(target, prompt, 300)[prompt.shape[1] :]
+        assert engine.generate(prompt, max_new_tokens=300) == reference
+    assert {span for _, span in engine.stats.shapes} == {SPAN_STEP, 2 * SPAN_STEP}
+
+
+@pytest.mark.parametrize(
+    ("num_steps", "topk", "num_draft_tokens"),
+    [(4, 1, None), (3, 2, 6), ("auto", 1, None)],
+    ids=["chain", "tree", "auto"],
+)
+def test_the_runtime_through_the_compiled_engine_is_lossless(
+    target, compiled, num_steps, topk, num_draft_tokens
+):
+    _, draft = tiny_draft(seed=5)
+    decoder = SpeculativeDecoder(
+        target,
+        draft,
+        aux_layer_ids=AUX,
+        num_steps=num_steps,
+        topk=topk,
+        num_draft_tokens=num_draft_tokens,
+        engine=compiled,
+    )
+    for prompt in prompts(6, seed=1):
+        reference = greedy_reference(target, prompt, 40)[prompt.shape[1] :]
+        tokens, stats = decoder.generate(prompt, max_new_tokens=40)
+        assert tokens == reference
+        assert stats.emitted == len(tokens) - 1
+
+
+def test_a_multi_turn_run_compiles_no_more_than_the_bounded_shapes(target, compiled):
+    """Prompts of many lengths, growing as turns do, chains of every depth: one graph for one
+    token and one for several, whatever the lengths (the prompt's forward runs eagerly)."""
+    _, draft = tiny_draft(seed=5)
+    decoder = SpeculativeDecoder(target, draft, aux_layer_ids=AUX, num_steps=3, engine=compiled)
+    history = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(7))
+    for _turn in range(4):
+        tokens, _ = decoder.generate(history, max_new_tokens=90)
+        compiled.generate(history, max_new_tokens=20)
+        history = torch.cat([history, torch.tensor([tokens]), history[:, :7]], 1)
+    assert history.shape[1] > SPAN_STEP  # the turns crossed a span
+    assert compiled.stats.compilations <= 2
+    assert len(compiled.stats.shapes) > compiled.stats.compilations
+
+
+def test_the_cache_is_written_by_slot_and_gathers_a_path():
+    cache = SlotKVCache(num_layers=1, capacity=8)
+    keys = torch.arange(5.0).reshape(1, 1, 5, 1)
+    cache.layers[0].update(keys, keys + 10, kwargs={"slots": torch.arange(5), "key_span": 8})
+    cache.length = 5
+    cache.gather(2, [0, 2])  # keep slots 0, 1, then 2 and 4
+    assert cache.length == 4
+    assert cache.layers[0].keys[0, 0, :4, 0].tolist() == [0, 1, 2, 4]
+    assert cache.layers[0].values[0, 0, :4, 0].tolist() == [10, 11, 12, 14]
+    cache.crop(-1)
+    assert cache.get_seq_length() == 3
+    assert key_span(1, 512) == SPAN_STEP and key_span(257, 300) == 300
+
+
+def test_a_forward_past_the_capacity_is_an_error(target):
+    engine = TargetEngine(target, aux_layer_ids=AUX, compile=False)
+    cache = engine.new_cache(10)
+    with pytest.raises(ValueError, match="capacity of 256"):
+        engine.forward(torch.zeros(1, 257, dtype=torch.long), cache)
+
+
+def test_a_target_that_is_not_the_plain_loop_is_refused(target):
+    """A decoder that scales its embeddings inside its own forward (as Gemma's do) is not what
+    the engine's loop runs: refused, not served with other outputs."""
+    import copy
+
+    scaled = copy.deepcopy(target)
+    decoder = scaled.model
+    plain_forward = decoder.forward
+
+    def forward(*args, inputs_embeds=None, input_ids=None, **kwargs):
+        embeds = decoder.embed_tokens(input_ids) * 2.0
+        return plain_forward(*args, inputs_embeds=embeds, **kwargs)
+
+    decoder.forward = forward
+    with pytest.raises(UserError, match="not the plain layer loop"):
+        TargetEngine(scaled, aux_layer_ids=AUX, compile=False)
