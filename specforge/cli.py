@@ -234,7 +234,8 @@ def _run_quickstart(args: argparse.Namespace, cfg: SpecForgeConfig) -> int:
     print((cfg.bench_dir / "bench.md").read_text())
     print(f"questions: {bench['settings']['questions']}   export: {cfg.export_dir}")
     print(
-        f"accept length tau = {bench['tau']:.2f}   speedup = {bench['speedup']:.2f}x   "
+        f"accept length tau = {bench['tau']:.2f}   speedup = {bench['speedup']:.2f}x over the "
+        f"target alone ({bench['speedup_vs_hf_generate']:.2f}x over HF generate)   "
         f"identical to the target: {bench['all_match']}"
     )
     print("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in result.seconds.items()))

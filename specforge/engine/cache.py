@@ -31,6 +31,11 @@ class SlotKVLayer(CacheLayerMixin):
         shape = (*key_states.shape[:2], self.capacity + 1)
         self.keys = key_states.new_zeros(*shape, key_states.shape[-1])
         self.values = value_states.new_zeros(*shape, value_states.shape[-1])
+        if self.keys.is_cuda and not torch.compiler.is_compiling():
+            # buffers at fixed addresses, written in place: what a CUDA graph replays over
+            # (not on a CPU, where it would make each new cache's buffers a guard)
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):

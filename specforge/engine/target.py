@@ -30,7 +30,7 @@ from specforge.data.kv_cache import cache_kwargs, growing_cache
 from specforge.engine.cache import SlotKVCache
 from specforge.errors import UserError
 from specforge.models.adapter import architecture, check_logits, find_decoder, text_config
-from specforge.models.target import check_aux_layer_ids, target_hidden_states
+from specforge.models.target import GROUPED_SDPA, check_aux_layer_ids, target_hidden_states
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,19 @@ def window_refusal(model: nn.Module) -> str | None:
     if windowed and getattr(config, "use_sliding_window", True) is not False:
         return f"{architecture(model.config)} has windowed attention layers ({sorted(kinds)})"
     return None
+
+
+ENGINE_ATTENTION = ("sdpa", GROUPED_SDPA)
+"""Attention implementations that take the engine's boolean (B, 1, T, S) mask as it means."""
+
+
+def attention_refusal(model: nn.Module) -> str | None:
+    """Why the engine's boolean mask would not mean to this target's attention what it says
+    (eager attention adds its mask; flash attention takes none), or ``None``."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation in ENGINE_ATTENTION:
+        return None
+    return f"its attention is {implementation!r}, not one of {list(ENGINE_ATTENTION)}"
 
 
 @dataclass
@@ -108,7 +121,7 @@ class TargetEngine:
         self.device = next(model.parameters()).device
         self._cache_keyword = next(iter(cache_kwargs(self.layers[0], None)))
         self.stats = EngineStats(compiled=compile)
-        refusal = window_refusal(model) or self.refusal()
+        refusal = attention_refusal(model) or window_refusal(model) or self.refusal()
         if refusal:
             raise UserError(f"the compiled engine cannot run this target: {refusal}")
         self._run = self._layers

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specforge.engine.cache import SlotKVCache
-from specforge.engine.target import SPAN_STEP, TargetEngine, key_span
+from specforge.engine.target import SPAN_STEP, TargetEngine, build_engine, key_span
 from specforge.errors import UserError
 from specforge.serving.speculative import SpeculativeDecoder
 from tests.helpers import greedy_reference, make_tiny_llama, tiny_draft
@@ -118,3 +118,12 @@ def test_a_target_that_is_not_the_plain_loop_is_refused(target):
     decoder.forward = forward
     with pytest.raises(UserError, match="not the plain layer loop"):
         TargetEngine(scaled, aux_layer_ids=AUX, compile=False)
+
+
+def test_a_target_whose_attention_reads_masks_otherwise_is_refused():
+    """Eager attention adds its mask: the engine's boolean mask would mean something else."""
+    eager = make_tiny_llama(VOCAB, num_layers=4, seed=3)
+    eager.set_attn_implementation("eager")
+    with pytest.raises(UserError, match="attention is 'eager'"):
+        TargetEngine(eager, aux_layer_ids=AUX, compile=False)
+    assert build_engine(eager, aux_layer_ids=AUX, compile="false") is None  # HF decodes
