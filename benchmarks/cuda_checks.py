@@ -7,6 +7,10 @@ each stage a subprocess with its own time limit, its log beside a summary JSON.
 
 Stages, in order of what a short lease should get first:
 
+0. ``engine``: ``benchmarks/engine_speedup.py`` on CUDA: the compiled engine's warm-up (cold
+   and warm cache), the target alone through HF ``generate``, the engine eager and compiled (CUDA
+   graphs), and the draft under ``auto`` against the compiled target alone (``--limit``
+   questions);
 1. ``adaptive``: ``benchmarks/adaptive_depth.py`` on CUDA, fixed chain depths 1-7 and ``auto``
    (the runtime issue's table; ``--limit`` questions); then ``round profile`` and ``round
    profile without cudnn``: a chain of 5 on the first question under PyTorch's profiler, with every
@@ -46,6 +50,15 @@ def stages(args) -> list[tuple[str, list[str], float]]:
     out, py = Path(args.output), sys.executable
     runs = []
     if args.draft:
+        runs.append(
+            (
+                "engine",
+                [py, "benchmarks/engine_speedup.py", "--draft", args.draft, "--device"]
+                + [args.device, "--questions", args.questions, "--limit", str(args.limit)]
+                + ["--eager-limit", str(args.limit), "--output", str(out / "engine_speedup")],
+                args.seconds[0],
+            )
+        )
         depths = [str(d) for d in range(1, 8)]
         runs.append(
             (

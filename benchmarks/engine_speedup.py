@@ -32,12 +32,12 @@ from pathlib import Path
 WARM_UP_PROMPT = "Write a haiku about the sea."
 
 
-def warm_up_seconds(target: str, cache_dir: str) -> float:
+def warm_up_seconds(target: str, device: str, cache_dir: str) -> float:
     """Seconds a fresh process takes to build the compiled engine and decode a short prompt
     with compile cache ``cache_dir`` (a subprocess, so nothing is cached in memory)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     done = subprocess.run(
-        [sys.executable, __file__, "--warm-up-only", "--target", target],
+        [sys.executable, __file__, "--warm-up-only", "--target", target, "--device", device],
         env=env,
         capture_output=True,
         text=True,
@@ -46,7 +46,7 @@ def warm_up_seconds(target: str, cache_dir: str) -> float:
     return json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
 
 
-def _warm_up_here(target_name: str) -> None:
+def _warm_up_here(target_name: str, device: str) -> None:
     """The warm-up subprocess: load the target, build the compiled engine, decode and verify
     once (both graphs), print the seconds from the engine's construction on."""
     import torch
@@ -57,9 +57,10 @@ def _warm_up_here(target_name: str) -> None:
     from specforge.models.adapter import text_config
     from specforge.models.target import default_aux_layer_ids, load_target
 
-    cfg = load_config(None, [f"target.name_or_path={target_name}"])
+    cfg = load_config(None, [f"target.name_or_path={target_name}", f"target.device={device}"])
     model, tokenizer = load_target(cfg.target, dtype="float32")
-    ids = torch.tensor([prompt_ids(tokenizer, [{"role": "user", "content": WARM_UP_PROMPT}])])
+    messages = [{"role": "user", "content": WARM_UP_PROMPT}]
+    ids = torch.tensor([prompt_ids(tokenizer, messages)], device=device)
     start = time.perf_counter()
     aux = default_aux_layer_ids(text_config(model.config).num_hidden_layers)
     engine = TargetEngine(model, aux_layer_ids=aux, compile=True)
@@ -70,7 +71,9 @@ def _warm_up_here(target_name: str) -> None:
     print(json.dumps({"seconds": time.perf_counter() - start, **engine.stats.as_dict()}))
 
 
-def eager_rows(target_name: str, questions: str, limit: int, max_new_tokens: int) -> list:
+def eager_rows(
+    target_name: str, device: str, questions: str, limit: int, max_new_tokens: int
+) -> list:
     """tokens/s of HF ``generate``, the engine eager and the engine compiled on the first turns
     of the first ``limit`` questions, and whether each equals HF's outputs."""
     import torch
@@ -83,12 +86,14 @@ def eager_rows(target_name: str, questions: str, limit: int, max_new_tokens: int
     from specforge.models.target import default_aux_layer_ids, load_target
     from specforge.serving.bench import greedy_generate
 
-    cfg = load_config(None, [f"target.name_or_path={target_name}"])
+    cfg = load_config(None, [f"target.name_or_path={target_name}", f"target.device={device}"])
     model, tokenizer = load_target(cfg.target, dtype="float32")
     eos = end_of_turn_ids(tokenizer, model.generation_config)
     pad = pad_id_of(tokenizer, model.generation_config)
     prompts = [
-        torch.tensor([prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}])])
+        torch.tensor(
+            [prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}])], device=device
+        )
         for q in load_questions(questions, limit=limit)
     ]
     aux = default_aux_layer_ids(text_config(model.config).num_hidden_layers)
@@ -122,6 +127,7 @@ def eager_rows(target_name: str, questions: str, limit: int, max_new_tokens: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--draft", help="an export directory (specforge export)")
     parser.add_argument("--questions", default="builtin-eval")
     parser.add_argument("--limit", type=int, default=None, help="the first N questions only")
@@ -132,14 +138,14 @@ def main() -> None:
     parser.add_argument("--warm-up-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.warm_up_only:
-        _warm_up_here(args.target)
+        _warm_up_here(args.target, args.device)
         return
     if not args.draft:
         parser.error("--draft is required")
     out = Path(args.output)
     cache_dir = tempfile.mkdtemp(prefix="specforge-inductor-")
-    cold = warm_up_seconds(args.target, cache_dir)
-    warm = warm_up_seconds(args.target, cache_dir)
+    cold = warm_up_seconds(args.target, args.device, cache_dir)
+    warm = warm_up_seconds(args.target, args.device, cache_dir)
     print(f"compile warm-up: cold cache {cold:.1f} s, warm cache {warm:.1f} s")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # the bench compiles from the warm cache
 
@@ -151,6 +157,7 @@ def main() -> None:
     questions = resolve_question_set(args.questions)
     overrides = [
         f"target.name_or_path={args.target}",
+        f"target.device={args.device}",
         f"bench.draft={args.draft}",
         f"bench.questions={questions}",
         f"bench.num_steps={args.num_steps}",
@@ -163,7 +170,7 @@ def main() -> None:
         overrides.append(f"bench.limit={args.limit}")
     result = bench(load_config(None, overrides))
     speed = result["tokens_per_s"]
-    eager = eager_rows(args.target, questions, args.eager_limit, args.max_new_tokens)
+    eager = eager_rows(args.target, args.device, questions, args.eager_limit, args.max_new_tokens)
     figures = {
         "turns": result["turns"],
         "tau": round(result["tau"], 3),
@@ -188,7 +195,7 @@ def main() -> None:
             "warm_up_seconds": {"cold": cold, "warm": warm},
             "bench": {k: v for k, v in result.items() if k != "turn_details"},
             "eager": eager,
-            "title": "The compiled engine: the target alone and the runtime (CPU)",
+            "title": f"The compiled engine: the target alone and the runtime ({args.device})",
             "summary": (
                 f"{result['turns']} turns of {Path(questions).name}, greedy, float32, batch "
                 f"size 1, num_steps {args.num_steps}: the runtime against the target alone "

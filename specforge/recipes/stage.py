@@ -27,6 +27,7 @@ AUTO_FIELDS = (
     ("train", "dtype"),
     ("bench", "draft_dtype"),
     ("bench", "draft_quantize"),
+    ("engine", "compile"),
 )
 """The fields :func:`specforge.config.resolve_auto` may change."""
 
