@@ -4,8 +4,8 @@ Each layer holds ``(rows, kv_heads, capacity, head_dim)`` key and value buffers.
 its new tokens' keys and values at the slots the engine names (``slots``, passed down to the
 cache by the model's attention) and reads the first ``key_span`` slots, a size taken from a short
 list of buckets, so a compiled forward sees few shapes. What the cache holds is a length: a crop
-moves it, a tree's accepted path is moved into place by :meth:`SlotKVCache.gather`, and nothing
-is reallocated while a sequence lives.
+moves it, a tree's accepted path is moved into place by the runtime's ``gather_cache`` (as in
+any HF cache, then cropped), and nothing is reallocated while a sequence lives.
 """
 
 from __future__ import annotations
@@ -81,17 +81,3 @@ class SlotKVCache(Cache):
         """Keep the first ``max_length`` positions (HF's convention: a negative count drops that
         many from the end)."""
         self.length = max(self.length + max_length if max_length < 0 else max_length, 0)
-
-    def gather(self, prefix: int, rows: list[int]) -> None:
-        """Keep slots ``0 .. prefix - 1`` and then slots ``prefix + r`` for ``r`` in ``rows``
-        (increasing), moved into ``prefix, prefix + 1, ...``; the length becomes
-        ``prefix + len(rows)``."""
-        moved = next((slot for slot, row in enumerate(rows) if row != slot), len(rows))
-        end = prefix + len(rows)
-        if moved < len(rows):
-            for layer in self.layers:
-                index = torch.tensor([prefix + r for r in rows[moved:]], device=layer.keys.device)
-                # the source slots are gathered first, so overlapping slots are safe
-                layer.keys[:, :, prefix + moved : end] = layer.keys[:, :, index]
-                layer.values[:, :, prefix + moved : end] = layer.values[:, :, index]
-        self.length = end

@@ -30,7 +30,6 @@ import torch
 from specforge.config import AUTO_MAX_DEPTH
 from specforge.data.generation import warp_probs
 from specforge.data.kv_cache import growing_cache
-from specforge.engine.cache import SlotKVCache
 from specforge.engine.target import TargetEngine
 from specforge.errors import UserError
 from specforge.models.adapter import check_logits, serving_refusal, tree_refusal
@@ -164,9 +163,6 @@ def gather_cache(cache, prefix: int, rows: list[int]) -> None:
     """Keep the first ``prefix`` positions of every layer of an HF cache and, after them,
     positions ``prefix + r`` for ``r`` in ``rows`` (increasing); the rest is dropped. Rows
     already in their slot stay; the others move into place, then the cache is cropped."""
-    if isinstance(cache, SlotKVCache):
-        cache.gather(prefix, rows)
-        return
     moved = next((slot for slot, row in enumerate(rows) if row != slot), len(rows))
     end = prefix + len(rows)
     if moved < len(rows):

@@ -9,7 +9,7 @@ from specforge.config import resolve_engine_compile
 from specforge.engine.cache import SlotKVCache
 from specforge.engine.target import SPAN_STEP, TargetEngine, build_engine, key_span
 from specforge.errors import UserError
-from specforge.serving.speculative import SpeculativeDecoder
+from specforge.serving.speculative import SpeculativeDecoder, gather_cache
 from tests.helpers import greedy_reference, make_tiny_llama, tiny_draft
 
 VOCAB = 96
@@ -87,7 +87,7 @@ def test_the_cache_is_written_by_slot_and_gathers_a_path():
     keys = torch.arange(5.0).reshape(1, 1, 5, 1)
     cache.layers[0].update(keys, keys + 10, kwargs={"slots": torch.arange(5), "key_span": 8})
     cache.length = 5
-    cache.gather(2, [0, 2])  # keep slots 0, 1, then 2 and 4
+    gather_cache(cache, 2, [0, 2])  # keep slots 0, 1, then 2 and 4 (then crop)
     assert cache.length == 4
     assert cache.layers[0].keys[0, 0, :4, 0].tolist() == [0, 1, 2, 4]
     assert cache.layers[0].values[0, 0, :4, 0].tolist() == [10, 11, 12, 14]
