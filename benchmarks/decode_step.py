@@ -29,8 +29,8 @@ import torch
 
 from specforge.config import TargetConfig
 from specforge.data.chat import pad_id_of, prompt_ids
-from specforge.data.generation import ContinuousBatcher, GenerationSettings, Request
 from specforge.data.prompts import builtin_conversations
+from specforge.engine.generation import ContinuousBatcher, GenerationSettings, Request
 from specforge.models.target import load_target
 from specforge.results import write_result
 

@@ -40,13 +40,13 @@ from specforge.config import RegenerateConfig, SynthesizeConfig, TargetConfig
 from specforge.data import generation
 from specforge.data.chat import end_of_turn_ids, tokenize_conversations
 from specforge.data.conversations import Conversation
-from specforge.data.generation import CPU_ROWS_PER_SPAN, default_rows_per_span
 from specforge.data.prompts import builtin_conversations
-from specforge.data.regenerate import regenerate_conversations
-from specforge.data.synthesize import synthesize_conversations
 from specforge.data.vocab import build_vocab_map, count_token_frequencies
+from specforge.distill.regenerate import regenerate_conversations
+from specforge.distill.synthesize import synthesize_conversations
+from specforge.engine.decode_kernel import load_decode_kernel
+from specforge.engine.generation import CPU_ROWS_PER_SPAN, default_rows_per_span
 from specforge.io import read_jsonl
-from specforge.models.decode_kernel import load_decode_kernel
 from specforge.models.target import embedded_target_dir, load_target
 from specforge.results import write_result
 

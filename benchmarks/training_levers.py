@@ -79,6 +79,8 @@ def run_row(args, name: str, overrides: list[str], data: Path) -> dict:
     )
     trained = train(cfg)
     result = {"row": name, "overrides": overrides, "eval": trained.eval, "train": trained.train}
+    if trained.eval_data:  # with train.eval_data_path among the overrides
+        result["eval_data"] = trained.eval_data
     write_json_atomic(done, result)
     return result
 
@@ -109,14 +111,15 @@ def main() -> None:
         results.append(run_row(args, name, overrides, data))
         write_result(output / "training_levers.json", {"settings": vars(args), "rows": results})
     base = next((r for r in results if r["row"] == "recipe"), None)
-    print("\n| row | overrides | eval acc_0 | acc_1 | tau_pred | vs recipe |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("\n| row | overrides | eval acc_0 | acc_1 | tau_pred | vs recipe | eval_data tau_pred |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for r in results:
         tau = r["eval"]["tau_pred"]
         delta = f"{tau - base['eval']['tau_pred']:+.3f}" if base else ""
+        extra = f"{r['eval_data']['tau_pred']:.3f}" if "eval_data" in r else "-"
         print(
             f"| {r['row']} | {' '.join(r['overrides']) or '-'} | {r['eval']['acc_0']:.3f} | "
-            f"{r['eval']['acc_1']:.3f} | {tau:.3f} | {delta} |"
+            f"{r['eval']['acc_1']:.3f} | {tau:.3f} | {delta} | {extra} |"
         )
     print(f"\nwrote {output}/training_levers.json")
 

@@ -28,12 +28,13 @@ from pathlib import Path
 import torch
 
 from specforge.config import TORCH_DTYPES, TargetConfig, torch_dtype
+from specforge.engine.cache import crop_cache
 from specforge.models.eagle3 import DraftKVCache, Eagle3Config, build_draft_model
 from specforge.models.int8_linear import int8_linear_available, quantize_linears
 from specforge.models.packed_linear import PackedLinear, default_linears, prepack_linears
 from specforge.models.target import default_aux_layer_ids, load_target
 from specforge.results import write_result
-from specforge.serving.speculative import SpeculativeDecoder, crop_cache
+from specforge.serving.speculative import SpeculativeDecoder
 
 
 def median_ms(fn, repeats: int) -> float:

@@ -169,8 +169,9 @@ class DataConfig:
     ``datasets.save_to_disk``, or HF dataset names. Empty means the built-in prompt set."""
     split: str = "train"
     """Split to read from HF datasets (ignored for local files)."""
-    format: Literal["auto", "sharegpt", "openai", "ultrachat", "qa"] = "auto"
-    """Record layout; ``auto`` detects it per record."""
+    format: Literal["auto", "sharegpt", "openai", "ultrachat", "qa", "questions"] = "auto"
+    """Record layout; ``auto`` detects it per record. ``questions``: a benchmark's questions,
+    MT-Bench's ``{"question_id", "turns": [user texts]}`` (for ``--regenerate`` to answer)."""
     builtin_split: Literal["train", "eval", "all"] = "train"
     """Which part of the built-in prompt set to use when ``inputs`` is empty. ``eval`` is held
     out from training for the accept-length benchmark."""
@@ -219,12 +220,12 @@ class RegenerateConfig:
     retried); long answers from a loaded server need more."""
     max_new_tokens: int = 256
     """Longest answer generated per user turn."""
-    batch_size: int | Literal["auto"] = 16
+    batch_size: int | Literal["auto"] = "auto"
     """Answers generated together: rows in flight (``continuous``) or conversations per fixed
     batch (``static``). ``auto``: as many as half the device's free memory holds with every
     row at its longest (``max_prompt_length`` + ``max_new_tokens`` cached tokens, plus the
     cache's spare columns), at most 256 on a CPU and 1,024 on a GPU
-    (:func:`~specforge.data.generation.auto_batch_size`)."""
+    (:func:`~specforge.engine.generation.auto_batch_size`)."""
     rows_per_span: int | Literal["auto"] = "auto"
     """``continuous``: decode attention runs over spans of this many neighbouring rows, each
     reading only the cached columns its longest row fills (rows are left-padded, and a new
@@ -234,7 +235,7 @@ class RegenerateConfig:
     own kernel launches (256 rows: 16 attention calls a layer instead of one)."""
     decode_kernel: Literal["auto", "on", "off"] = "auto"
     """``continuous`` on CPU: decode steps' attention through specforge's AVX-512 kernel
-    (:mod:`specforge.models.decode_kernel`, built on first use with the system's C++ compiler
+    (:mod:`specforge.engine.decode_kernel`, built on first use with the system's C++ compiler
     and kept under ``TORCH_EXTENSIONS_DIR``): ``auto`` where it builds and applies, else
     PyTorch's SDPA with a warning naming why; ``on``: an error instead of that fallback;
     ``off``: SDPA. Outputs agree with SDPA's to float rounding."""
@@ -317,8 +318,15 @@ class SynthesizeConfig:
     """Give up after ``max_attempts_factor * count`` attempts (a warning says how many)."""
     seed: int = 0
     """Attempt ``a`` samples with a generator seeded from ``(seed, a)``."""
+    topics: list[str] = field(default_factory=list)
+    """Steer the prompts across these subjects (names, not example questions): attempt ``a``
+    writes its prompt under a system message naming ``topics[a % len(topics)]``; the answer is
+    then written without it. Empty: unsteered."""
 
     def __post_init__(self) -> None:
+        for topic in self.topics:
+            if not isinstance(topic, str) or not topic.strip():
+                raise ConfigError(f"synthesize.topics must be non-empty strings, got {topic!r}")
         if not 0 <= self.count <= MAX_SYNTHESIZE:
             raise ConfigError(
                 f"synthesize.count must be in 0..{MAX_SYNTHESIZE:,}, got {self.count}"
@@ -454,6 +462,11 @@ class TrainConfig:
     """Share of the conversations held out for evaluation (hash-based, stable)."""
     eval_every: int = 100
     """Optimizer steps between evaluations on the held-out conversations."""
+    eval_data_path: str | None = None
+    """Conversations JSONL evaluated beside the held-out split at every evaluation and logged
+    as split ``eval_data`` (never trained on): e.g. the target's own answers to a benchmark's
+    questions (``specforge prepare`` on them), to watch accept length where it is served.
+    Online training only."""
     log_every: int = 10
     """Optimizer steps between ``metrics.jsonl`` records."""
     save_every: int = 200
@@ -684,6 +697,12 @@ class SpecForgeConfig:
             raise ConfigError(
                 "quickstart.data_share grows the corpus with prompts the target writes "
                 "in-process; regenerate.backend server cannot write them (set data_share null)"
+            )
+        if self.train.eval_data_path and self.data.mode == "offline":
+            raise ConfigError(
+                f"train.eval_data_path ({self.train.eval_data_path}) needs the target in the "
+                "training step: data.mode offline's shards hold only the training "
+                "conversations' states"
             )
 
     def _check_decode_kernel(self) -> None:

@@ -242,7 +242,7 @@ def kernel_or_skip() -> None:
     compiler), naming why."""
     import pytest
 
-    from specforge.models.decode_kernel import load_decode_kernel
+    from specforge.engine.decode_kernel import load_decode_kernel
 
     kernel, why = load_decode_kernel()
     if kernel is None:

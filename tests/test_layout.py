@@ -17,6 +17,7 @@ LAYERS = {
     "specforge.recipes": 5,
     "specforge.trainer": 4,
     "specforge.serving": 4,
+    "specforge.distill": 4,
     "specforge.engine": 3,
     "specforge.models": 2,
     "specforge.data": 1,
@@ -28,9 +29,9 @@ LAYERS = {
     "specforge.configs": 0,
     "specforge": 0,
 }
-"""``scripts -> cli -> recipes -> {trainer, serving} -> engine -> models -> data -> {config,
-io, errors, distributed}``: a module imports only from lower layers, or from its own package
-(without cycles); ``trainer`` and ``serving`` never import each other."""
+"""``scripts -> cli -> recipes -> {trainer, serving, distill} -> engine -> models -> data ->
+{config, io, errors, distributed}``: a module imports only from lower layers, or from its own
+package (without cycles); ``trainer``, ``serving`` and ``distill`` never import each other."""
 
 MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS: dict[str, str] = {}

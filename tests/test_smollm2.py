@@ -231,7 +231,7 @@ def test_cli_synthesize_writes_distinct_prompts_and_resumes(tmp_path):
     target wrote, all distinct and none sharing a 6-word run with MT-Bench; asking for more
     later adds only the difference."""
     from specforge.cli import main
-    from specforge.data.synthesize import mt_bench_run_hashes, shares_mt_bench_run
+    from specforge.distill.synthesize import mt_bench_run_hashes, shares_mt_bench_run
 
     out = tmp_path / "synth.jsonl"
     args = ["prepare", "--target", "smollm2-135m", "--output", str(out)]
@@ -251,12 +251,33 @@ def test_cli_synthesize_writes_distinct_prompts_and_resumes(tmp_path):
     assert stats["synthesize"]["accepted"] == 3 and stats["synthesize"]["already_done"] == 6
 
 
+def test_cli_synthesize_steered_by_topics_records_each_attempts_topic(tmp_path):
+    """`--topics`: attempts take the topics in turn, each kept prompt's record names its
+    attempt's topic, and the conversation is the prompt and the target's answer."""
+    from specforge.cli import main
+    from specforge.distill.synthesize import prompts_path
+    from specforge.io import read_jsonl
+
+    out = tmp_path / "steered.jsonl"
+    args = ["prepare", "--target", "smollm2-135m", "--output", str(out), "--synthesize", "4",
+            "--topics", "cooking", "astronomy", "regenerate.max_new_tokens=8"]  # fmt: skip
+    assert main(args) == 0
+    records = read_jsonl(prompts_path(out))
+    assert len(records) == 4
+    assert [r["topic"] for r in records] == [
+        ("cooking", "astronomy")[r["attempt"] % 2] for r in records
+    ]
+    conversations = read_jsonl(out)
+    assert [c["messages"][0]["content"] for c in conversations] == [r["prompt"] for r in records]
+    assert all([m["role"] for m in c["messages"]] == ["user", "assistant"] for c in conversations)
+
+
 def test_synthesis_killed_mid_round_keeps_its_prompts_and_the_rerun_continues(tmp_path):
     """Prompts are written as they are decided (in attempt order), not when the whole round of
     attempts ends: a SIGKILL while the round runs leaves them, and the rerun keeps them and adds
     the rest."""
     from specforge.cli import main
-    from specforge.data.synthesize import prompts_path
+    from specforge.distill.synthesize import prompts_path
     from specforge.io import read_jsonl
 
     def args(out):
@@ -288,7 +309,7 @@ def test_regeneration_through_the_decode_kernel_writes_what_sdpa_writes(smollm2,
     token for token as with PyTorch's SDPA (rows of different lengths, left-padded)."""
     from specforge.config import RegenerateConfig
     from specforge.data.prompts import builtin_conversations
-    from specforge.data.regenerate import regenerate_conversations
+    from specforge.distill.regenerate import regenerate_conversations
     from tests.helpers import kernel_or_skip
 
     kernel_or_skip()

@@ -103,7 +103,9 @@ def normalize_record(record: Any, fmt: str = "auto") -> tuple[str | None, list[d
     if fmt == "auto":
         fmt = next((f for f, key in _FORMAT_KEYS.items() if key in record), "")
         if not fmt:
-            raise MalformedRecord("no 'messages', 'conversations', 'data' or 'question' field")
+            raise MalformedRecord(
+                "no 'messages', 'conversations', 'data', 'question' or 'turns' field"
+            )
     if fmt == "qa":
         messages = _read_qa(record)
     else:
@@ -157,6 +159,14 @@ def _read_ultrachat(turns: list[Any]) -> list[dict[str, str]]:
     return [{"role": roles[i % 2], "content": text} for i, text in enumerate(turns)]
 
 
+def _read_questions(turns: list[Any]) -> list[dict[str, str]]:
+    """A benchmark question's turns (MT-Bench's ``turns``): user messages, unanswered."""
+    for i, text in enumerate(turns):
+        if not isinstance(text, str):
+            raise MalformedRecord(f"turn {i}: expected a string, got {type(text).__name__}")
+    return [{"role": "user", "content": text} for text in turns]
+
+
 def _read_qa(record: dict[str, Any]) -> list[dict[str, str]]:
     if "answer" not in record:
         raise MalformedRecord("a 'question' record needs an 'answer'")
@@ -171,8 +181,14 @@ _FORMAT_KEYS = {
     "sharegpt": "conversations",
     "ultrachat": "data",
     "qa": "question",
+    "questions": "turns",
 }
-_READERS = {"openai": _read_openai, "sharegpt": _read_sharegpt, "ultrachat": _read_ultrachat}
+_READERS = {
+    "openai": _read_openai,
+    "sharegpt": _read_sharegpt,
+    "ultrachat": _read_ultrachat,
+    "questions": _read_questions,
+}
 
 
 def _check_messages(messages: list[dict[str, str]]) -> None:

@@ -20,6 +20,17 @@ from specforge.errors import UserError
 from specforge.io import iter_jsonl
 
 PROMPTS_FILE = "builtin_prompts.jsonl"
+CATEGORIES = (
+    "writing",
+    "roleplay",
+    "reasoning",
+    "math",
+    "coding",
+    "extraction",
+    "stem",
+    "humanities",
+)
+"""The set's categories: MT-Bench's, by name."""
 EVAL_BUCKETS = 10
 """A prompt is held out for evaluation when ``crc32(id) % EVAL_BUCKETS == 0``."""
 

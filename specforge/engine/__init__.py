@@ -2,8 +2,16 @@
 self-distillation, evaluation) and :mod:`specforge.models`.
 
 - :mod:`specforge.engine.cache`: a KV cache preallocated for rows x capacity and written by
-  slot, so accepting or rejecting draft tokens moves nothing but a length;
+  slot, so accepting or rejecting draft tokens moves nothing but a length; cropping a cache
+  and moving a tree's accepted path into place;
 - :mod:`specforge.engine.target`: the target's forward over a bounded set of shapes (token
   counts and key spans), eager or compiled once with ``torch.compile`` and reused, returning
-  the logits and the auxiliary hidden states the draft reads.
+  the logits and the auxiliary hidden states the draft reads;
+- :mod:`specforge.engine.generation`: continuous batching (rows join and leave a running
+  batch), sampling (temperature, nucleus), the automatic rows in flight;
+- :mod:`specforge.engine.decode_kernel`: the CPU decode-attention kernel (AVX-512), which
+  generation hands the model's forward as ``decode_kernel``.
+
+The KV cache types the model forwards themselves read and write (the draft's in-place cache,
+HF cache helpers) live in :mod:`specforge.models.kv_cache`, below, since ``models`` uses them.
 """

@@ -4,14 +4,16 @@ Each layer holds ``(rows, kv_heads, capacity, head_dim)`` key and value buffers.
 its new tokens' keys and values at the slots the engine names (``slots``, passed down to the
 cache by the model's attention) and reads the first ``key_span`` slots, a size taken from a short
 list of buckets, so a compiled forward sees few shapes. What the cache holds is a length: a crop
-moves it, a tree's accepted path is moved into place by the runtime's ``gather_cache`` (as in
-any HF cache, then cropped), and nothing is reallocated while a sequence lives.
+moves it, a tree's accepted path is moved into place by :func:`gather_cache` (as in any
+HF cache, then cropped), and nothing is reallocated while a sequence lives.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from specforge.models.eagle3 import DraftKVCache
 
 
 class SlotKVLayer(CacheLayerMixin):
@@ -81,3 +83,29 @@ class SlotKVCache(Cache):
         """Keep the first ``max_length`` positions (HF's convention: a negative count drops that
         many from the end)."""
         self.length = max(self.length + max_length if max_length < 0 else max_length, 0)
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first ``length`` positions of an HF cache or a :class:`DraftKVCache`."""
+    if isinstance(cache, DraftKVCache):
+        cache.crop(length)
+        return
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def gather_cache(cache, prefix: int, rows: list[int]) -> None:
+    """Keep the first ``prefix`` positions of every layer of an HF cache and, after them,
+    positions ``prefix + r`` for ``r`` in ``rows`` (increasing); the rest is dropped. Rows
+    already in their slot stay; the others move into place, then the cache is cropped."""
+    moved = next((slot for slot, row in enumerate(rows) if row != slot), len(rows))
+    end = prefix + len(rows)
+    if moved < len(rows):
+        index = torch.tensor([prefix + r for r in rows[moved:]], dtype=torch.long)
+        for layer in cache.layers:
+            index = index.to(layer.keys.device)
+            # the source rows are gathered first, so overlapping slots are safe
+            layer.keys[:, :, prefix + moved : end] = layer.keys[:, :, index]
+            layer.values[:, :, prefix + moved : end] = layer.values[:, :, index]
+    crop_cache(cache, end)

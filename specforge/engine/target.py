@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from specforge.config import resolve_engine_compile
-from specforge.data.kv_cache import cache_kwargs, growing_cache
 from specforge.engine.cache import SlotKVCache
 from specforge.errors import UserError
 from specforge.models.adapter import architecture, check_logits, find_decoder, text_config
+from specforge.models.kv_cache import cache_kwargs, growing_cache
 from specforge.models.target import GROUPED_SDPA, check_aux_layer_ids, target_hidden_states
 
 logger = logging.getLogger(__name__)

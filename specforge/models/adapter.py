@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from specforge.data.kv_cache import output_cache
 from specforge.errors import UserError
+from specforge.models.kv_cache import output_cache
 
 LAYER_LIST_NAMES = ("layers", "h", "blocks")
 """Attributes of a decoder module that hold its layer list (Llama, GPT-2/Falcon, others)."""

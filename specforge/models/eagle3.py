@@ -43,9 +43,9 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from specforge.data.kv_cache import GrowingKVLayer
 from specforge.data.vocab import hot_ids
 from specforge.errors import UserError
+from specforge.models.kv_cache import GrowingKVLayer
 
 AUX_STATES = 3
 """Target layers whose residual streams ``fc`` fuses (low, middle, high)."""
@@ -166,7 +166,7 @@ class Eagle3Config:
 
 class DraftKVCache:
     """Keys/values of the draft's single layer for incremental decoding (post-RoPE), appended
-    in place (a :class:`~specforge.data.kv_cache.GrowingKVLayer`)."""
+    in place (a :class:`~specforge.models.kv_cache.GrowingKVLayer`)."""
 
     def __init__(self) -> None:
         self.layer = GrowingKVLayer()

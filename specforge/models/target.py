@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from specforge.config import TargetConfig, resolve_auto_dtype, torch_dtype
-from specforge.data.kv_cache import cache_kwargs
 from specforge.distributed import check_device
 from specforge.errors import UserError
 from specforge.io import atomic_directory, require_local
@@ -39,7 +38,7 @@ from specforge.models.adapter import (
     norm_scale,
     text_config,
 )
-from specforge.models.decode_kernel import kernel_decode_attention
+from specforge.models.kv_cache import cache_kwargs
 from specforge.models.packed_linear import prepack_linears
 
 logger = logging.getLogger(__name__)
@@ -158,10 +157,11 @@ def grouped_sdpa_attention(
     (tested); anything this simple path does not cover (soft-capping, position bias, attention
     sinks, paged caches) goes to HF's own function. Two options come as keyword arguments of the
     model's forward, which HF passes down to attention (no process or context state is read):
-    ``row_spans`` (:data:`~specforge.data.kv_cache.RowSpan` list, continuous batching) splits the
-    batch, each span reading only its last columns; ``decode_kernel`` (``auto``/``on``/``off``,
-    default ``off``) runs a one-position step on CPU through
-    :mod:`specforge.models.decode_kernel`'s kernel. A decode step (one
+    ``row_spans`` (:data:`~specforge.models.kv_cache.RowSpan` list, continuous batching) splits the
+    batch, each span reading only its last columns; ``decode_kernel``, a function
+    ``(query, key, value, mask, scaling) -> output or None``
+    (:func:`specforge.engine.decode_kernel.decode_attention_for`), runs a one-position step
+    (None: this function's own attention). A decode step (one
     query position) with a mask packs each key head's group of query heads as its query
     positions, as HF's ``sdpa`` does (bit-identical): PyTorch's CPU flash kernel runs one query
     position in bf16 ~6x slower than three (1.65 ms against 0.26 ms for 16 rows over 300 keys),
@@ -172,17 +172,15 @@ def grouped_sdpa_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     spans = kwargs.pop("row_spans", None)
-    decode_kernel = kwargs.pop("decode_kernel", "off")
+    decode_kernel = kwargs.pop("decode_kernel", None)
     special = ("softcap", "position_bias", "s_aux", "sinks", "cache")
     if any(kwargs.get(name) is not None for name in special) or kwargs.get("output_attentions"):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
     q_length = query.shape[2]
-    if q_length == 1 and not dropout and decode_kernel != "off":
-        out = kernel_decode_attention(
-            query, key, value, attention_mask, scaling, mode=decode_kernel
-        )
+    if q_length == 1 and not dropout and decode_kernel is not None:
+        out = decode_kernel(query, key, value, attention_mask, scaling)
         if out is not None:
             return out, None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

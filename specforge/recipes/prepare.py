@@ -3,7 +3,7 @@
 1. read conversations (files, HF datasets, the ``builtin`` prompt set; the built-in set alone
    when there is nothing else);
 2. optionally add prompts the target writes itself (``--synthesize N``,
-   :mod:`specforge.data.synthesize`) and answer every user turn with the target
+   :mod:`specforge.distill.synthesize`) and answer every user turn with the target
    (self-distillation, ``--regenerate``; implied by ``--synthesize``);
 3. write the conversations as OpenAI-messages JSONL (atomically);
 4. tokenize them with the target's chat template and count tokens under the loss mask;
@@ -23,10 +23,10 @@ from specforge.config import SpecForgeConfig, to_dict
 from specforge.data.batching import split_train_eval
 from specforge.data.chat import end_of_turn_ids, set_chat_template, tokenize_conversations
 from specforge.data.conversations import Conversation
-from specforge.data.regenerate import partial_path, regenerate_conversations
 from specforge.data.sources import load_conversations
-from specforge.data.synthesize import synthesize_conversations
 from specforge.data.vocab import save_vocab_map, vocab_map_from_samples
+from specforge.distill.regenerate import partial_path, regenerate_conversations
+from specforge.distill.synthesize import synthesize_conversations
 from specforge.errors import UserError
 from specforge.io import read_jsonl, write_json_atomic, write_jsonl_atomic
 from specforge.models.adapter import architecture, recurrent_layers, text_config

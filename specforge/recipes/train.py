@@ -52,7 +52,11 @@ from specforge.trainer.checkpoint import (
 )
 from specforge.trainer.metrics import MetricsLog, ttt_metrics
 from specforge.trainer.optim import build_optimizer, set_lr
-from specforge.trainer.sources import HiddenStateSource, hidden_state_source
+from specforge.trainer.sources import (
+    HiddenStateSource,
+    hidden_state_source,
+    load_training_samples,
+)
 from specforge.trainer.ttt import TTTObjective, TTTResult
 
 logger = logging.getLogger(__name__)
@@ -87,6 +91,8 @@ class TrainResult:
     """The last logged training metrics (loss, ``acc_k``, lr, grad norm, tokens/s)."""
     eval: dict[str, float] = field(default_factory=dict)
     """The last evaluation on the held-out conversations (with ``tau_pred``)."""
+    eval_data: dict[str, float] = field(default_factory=dict)
+    """The last evaluation on ``train.eval_data_path``'s conversations, if given."""
     checkpoint: Path | None = None
     """The last checkpoint written (rank 0; ``None`` on other ranks)."""
 
@@ -106,6 +112,8 @@ class TrainingRun:
     optimizer: torch.optim.Optimizer
     batches: StepBatches
     eval_samples: list[TokenizedSample]
+    eval_data_samples: list[TokenizedSample]
+    """``train.eval_data_path``'s conversations (none without it)."""
     log: MetricsLog
     start_step: int
     start_seconds: float
@@ -137,6 +145,14 @@ class TrainingRun:
         self.ranks.close()
 
 
+def split_samples(cfg: SpecForgeConfig, source: HiddenStateSource):
+    """The training samples, the held-out ones, and ``train.eval_data_path``'s (or none)."""
+    train_samples, eval_samples = split_train_eval(source.samples, cfg.train.eval_fraction)
+    path = cfg.train.eval_data_path
+    eval_data = load_training_samples(cfg, source.tokenizer, path) if path else []
+    return train_samples, eval_samples, eval_data
+
+
 def setup(cfg: SpecForgeConfig) -> TrainingRun:
     """Distributed setup, the hidden-state source and data, the vocab map, the draft, its
     optimizer, and the resume state."""
@@ -146,7 +162,7 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     torch.manual_seed(tc.seed)
     # 1. hidden states and data
     source = hidden_state_source(cfg, ranks, device)
-    train_samples, eval_samples = split_train_eval(source.samples, tc.eval_fraction)
+    train_samples, eval_samples, eval_data = split_samples(cfg, source)
     # 2. the draft vocabulary and the draft, initialised from the target
     head = source.head
     vocab_map, _ = vocab_map_from_samples(
@@ -211,6 +227,7 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
         optimizer=optimizer,
         batches=batches,
         eval_samples=eval_samples,
+        eval_data_samples=eval_data,
         log=log,
         start_step=start_step,
         start_seconds=start_seconds,
@@ -263,17 +280,28 @@ def resume(cfg: SpecForgeConfig, draft, optimizer, identity: dict) -> tuple[int,
     return state["step"], float(state.get("train_seconds", 0.0))
 
 
-def evaluate(run: TrainingRun) -> dict[str, float]:
-    """TTT metrics (with ``tau_pred``) on the held-out samples, one sample per forward."""
+def evaluate(run: TrainingRun, samples: list[TokenizedSample] | None = None) -> dict[str, float]:
+    """TTT metrics (with ``tau_pred``) on ``samples`` (by default the held-out ones), one
+    sample per forward."""
     run.draft.eval()
     results = []
     with torch.no_grad(), run.autocast():
-        for sample in run.eval_samples:
+        for sample in run.eval_samples if samples is None else samples:
             batch = run.source.eval_batch(sample).to(run.device)
             aux, target_dist = run.source.states(batch, run.draft)
             results.append(run.unwrapped(batch, aux, target_dist))
     run.draft.train()
     return ttt_metrics(results, run.cfg.train.ttt_length)
+
+
+def evaluate_all(run: TrainingRun, result: TrainResult, step: int) -> None:
+    """Evaluate on the held-out split and on ``train.eval_data_path``, logging each."""
+    if run.eval_samples:
+        result.eval = evaluate(run)
+        run.log.log(step, "eval", result.eval)
+    if run.eval_data_samples:
+        result.eval_data = evaluate(run, run.eval_data_samples)
+        run.log.log(step, "eval_data", result.eval_data)
 
 
 def save(run: TrainingRun, step: int, seconds: float) -> Path | None:
@@ -369,9 +397,8 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
             "train.max_minutes (%s) was spent before step %d", tc.max_minutes, run.start_step
         )
         return result
-    if run.start_step == 0 and run.eval_samples:
-        result.eval = evaluate(run)
-        run.log.log(0, "eval", result.eval)
+    if run.start_step == 0:
+        evaluate_all(run, result, 0)
     steps = range(run.start_step, end_step)
     progress = tqdm(
         steps, initial=run.start_step, total=end_step, desc="train", disable=not run.ranks.is_main
@@ -381,7 +408,7 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
     window_tokens, window_start = 0, time.perf_counter()
     run.draft.train()
     step_batches = run.source.step_batches(run.batches, steps)
-    spent, has_eval = clock.spent(), bool(run.eval_samples)
+    spent, has_eval = clock.spent(), bool(run.eval_samples or run.eval_data_samples)
     for step, micro_batches in zip(progress, step_batches, strict=True):
         # 1. learning rate of this step
         lr = set_lr(run.optimizer, tc, step, spent)
@@ -415,8 +442,7 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
             window, window_tokens, window_start = [], 0, time.perf_counter()
         # 6. evaluate
         if evaluated:
-            result.eval = evaluate(run)
-            run.log.log(done, "eval", result.eval)
+            evaluate_all(run, result, done)
         # 7. checkpoint (its seconds include this step's evaluation)
         if saved:
             result.checkpoint = save(run, done, clock.elapsed())

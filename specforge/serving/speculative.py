@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specforge.config import AUTO_MAX_DEPTH
-from specforge.data.generation import warp_probs
-from specforge.data.kv_cache import growing_cache
+from specforge.engine.cache import crop_cache, gather_cache
+from specforge.engine.generation import warp_probs
 from specforge.engine.target import TargetEngine
 from specforge.errors import UserError
 from specforge.models.adapter import check_logits, serving_refusal, tree_refusal
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
+from specforge.models.kv_cache import growing_cache
 from specforge.models.target import target_hidden_states
 from specforge.serving.adaptive import (
     AcceptanceEstimate,
@@ -147,32 +148,6 @@ class SpecStats:
         self.target_prefill_seconds += other.target_prefill_seconds
         self.dormant_rounds += other.dormant_rounds
         self.sibling_rounds += other.sibling_rounds
-
-
-def crop_cache(cache, length: int) -> None:
-    """Keep the first ``length`` positions of an HF cache or a :class:`DraftKVCache`."""
-    if isinstance(cache, DraftKVCache):
-        cache.crop(length)
-        return
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
-def gather_cache(cache, prefix: int, rows: list[int]) -> None:
-    """Keep the first ``prefix`` positions of every layer of an HF cache and, after them,
-    positions ``prefix + r`` for ``r`` in ``rows`` (increasing); the rest is dropped. Rows
-    already in their slot stay; the others move into place, then the cache is cropped."""
-    moved = next((slot for slot, row in enumerate(rows) if row != slot), len(rows))
-    end = prefix + len(rows)
-    if moved < len(rows):
-        index = torch.tensor([prefix + r for r in rows[moved:]], dtype=torch.long)
-        for layer in cache.layers:
-            index = index.to(layer.keys.device)
-            # the source rows are gathered first, so overlapping slots are safe
-            layer.keys[:, :, prefix + moved : end] = layer.keys[:, :, index]
-            layer.values[:, :, prefix + moved : end] = layer.values[:, :, index]
-    crop_cache(cache, end)
 
 
 def _joined(pending, new):

@@ -91,14 +91,15 @@ def draft_target_distribution(
 # Online: the frozen target runs inside the step
 
 
-def load_training_samples(cfg: SpecForgeConfig, tokenizer):
-    """Tokenized conversations of ``train.data_path`` (or what prepare wrote).
+def load_training_samples(cfg: SpecForgeConfig, tokenizer, path=None):
+    """Tokenized conversations of ``path``, by default ``train.data_path`` (or what prepare
+    wrote).
 
     Raises:
         UserError: the file is missing (run ``specforge prepare`` first), is not prepare's
             output, or holds no conversation with assistant tokens.
     """
-    path = cfg.training_data_path
+    path = path or cfg.training_data_path
     conversations = read_prepared(path)
     samples, stats = tokenize_conversations(
         tokenizer,

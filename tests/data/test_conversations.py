@@ -53,6 +53,11 @@ def test_layouts_normalize_to_openai_messages():
         None,
         [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "2+2=4\n#### 4"}],
     )
+    mt_bench = {"question_id": 81, "category": "writing", "turns": ["Write.", "Again."]}
+    assert normalize_record(mt_bench) == (
+        "81",
+        [{"role": "user", "content": "Write."}, {"role": "user", "content": "Again."}],
+    )
 
 
 def test_forced_format_rejects_other_layouts():
@@ -63,7 +68,8 @@ def test_forced_format_rejects_other_layouts():
 @pytest.mark.parametrize(
     ("record", "reason"),
     [
-        ({"text": "hi"}, "no 'messages', 'conversations', 'data' or 'question'"),
+        ({"text": "hi"}, "no 'messages', 'conversations', 'data', 'question' or 'turns'"),
+        ({"turns": ["a", 3]}, "turn 1: expected a string, got int"),
         ({"question": "hi"}, "needs an 'answer'"),
         ({"messages": []}, "non-empty list"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role 'robot'"),

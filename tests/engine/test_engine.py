@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from specforge.config import resolve_engine_compile
-from specforge.engine.cache import SlotKVCache
+from specforge.engine.cache import SlotKVCache, gather_cache
 from specforge.engine.target import SPAN_STEP, TargetEngine, build_engine, key_span
 from specforge.errors import UserError
-from specforge.serving.speculative import SpeculativeDecoder, gather_cache
+from specforge.serving.speculative import SpeculativeDecoder
 from tests.helpers import greedy_reference, make_tiny_llama, tiny_draft
 
 VOCAB = 96

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specforge.data.kv_cache import cache_kwargs
+from specforge.models.kv_cache import cache_kwargs
 from specforge.models.target import GROUPED_SDPA, use_grouped_sdpa
 from tests.helpers import make_tiny_llama
 

@@ -102,7 +102,7 @@ def test_cache_keyword_follows_the_installed_transformers_without_deprecation_wa
     import inspect
     import warnings
 
-    from specforge.data.kv_cache import cache_kwargs, growing_cache, output_cache
+    from specforge.models.kv_cache import cache_kwargs, growing_cache, output_cache
 
     model = make_tiny_llama(64, num_layers=2)
     (keyword,) = cache_kwargs(model, None)

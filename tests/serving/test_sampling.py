@@ -6,8 +6,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specforge.data.generation import NUCLEUS_CANDIDATES, warp_probs
 from specforge.data.vocab import build_vocab_map
+from specforge.engine.generation import NUCLEUS_CANDIDATES, warp_probs
 from specforge.engine.target import TargetEngine
 from specforge.models.eagle3 import Eagle3Config, build_draft_model
 from specforge.models.int8_linear import int8_linear_available, quantize_linears

@@ -193,8 +193,8 @@ def test_bad_tree_settings_are_rejected(target):
 def test_gather_cache_keeps_the_prefix_and_the_accepted_rows_in_order(kind, rows):
     from transformers import DynamicCache
 
-    from specforge.data.kv_cache import growing_cache
-    from specforge.serving.speculative import gather_cache
+    from specforge.engine.cache import gather_cache
+    from specforge.models.kv_cache import growing_cache
 
     cache = DynamicCache() if kind == "dynamic" else growing_cache()
     keys = torch.arange(2 * 3 * 9 * 4, dtype=torch.float32).reshape(2, 3, 9, 4)

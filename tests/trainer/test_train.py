@@ -4,7 +4,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specforge.data.batching import StepBatches, epoch_micro_batches
+from specforge.config import ConfigError
+from specforge.data.batching import StepBatches, epoch_micro_batches, split_train_eval
+from specforge.data.chat import TokenizedSample
 from specforge.recipes.train import train
 from specforge.trainer.optim import lr_factor
 from tests.helpers import tiny_train_config, torchrun_train
@@ -173,3 +175,32 @@ def test_two_process_ddp_matches_one_process(tmp_path, peaked_target_dir):
     for key in single:
         torch.testing.assert_close(ddp[key], single[key], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(sharded[key], single[key], rtol=1e-5, atol=1e-6)
+
+
+def test_eval_data_on_the_held_out_conversations_reproduces_the_held_out_evaluation(
+    tmp_path, peaked_target_dir
+):
+    """``train.eval_data_path`` is evaluated like the held-out split, at the same steps: given
+    exactly the held-out conversations, it logs the held-out metrics."""
+    folder, data = peaked_target_dir
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    probes = [TokenizedSample(id=r["id"], input_ids=[], loss_mask=[]) for r in records]
+    _, held_out = split_train_eval(probes, 0.2)
+    held_out_ids = {s.id for s in held_out}
+    eval_data = tmp_path / "eval_data.jsonl"
+    eval_data.write_text("".join(json.dumps(r) + "\n" for r in records if r["id"] in held_out_ids))
+    out = tmp_path / "run"
+    steps = ["train.max_steps=6", "train.eval_every=3", f"train.eval_data_path={eval_data}"]
+    result = train(tiny_train_config(folder, data, out, *steps))
+    evals, extra = metrics(out, "eval"), metrics(out, "eval_data")
+    assert [r["step"] for r in extra] == [r["step"] for r in evals] == [0, 3, 6]
+    assert [r["tau_pred"] for r in extra] == [r["tau_pred"] for r in evals]
+    assert result.eval_data == result.eval and result.eval_data["acc_0"] > 0
+
+
+def test_eval_data_with_offline_shards_is_refused(tmp_path, peaked_target_dir):
+    folder, data = peaked_target_dir
+    with pytest.raises(ConfigError, match=r"train.eval_data_path \(.*\) needs the target"):
+        tiny_train_config(
+            folder, data, tmp_path / "run", "data.mode=offline", f"train.eval_data_path={data}"
+        )

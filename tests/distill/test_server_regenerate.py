@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from specforge.cli import main
-from specforge.data.regenerate import partial_path
+from specforge.distill.regenerate import partial_path
 
 
 class ChatServer(ThreadingHTTPServer):

@@ -1,6 +1,6 @@
 // Decode attention on CPU with AVX-512: one query position per row, grouped-query heads, the
 // keys/values read in place from (B, H_kv, S, D) buffer views, a boolean mask per row.
-// Built on first use by specforge/models/decode_kernel.py (torch.utils.cpp_extension).
+// Built on first use by specforge/engine/decode_kernel.py (torch.utils.cpp_extension).
 //
 // Only the kernel below is compiled for AVX-512 (a target pragma around it), so the module
 // imports on any x86-64 CPU; the entry point checks every shape relation and the CPU before it

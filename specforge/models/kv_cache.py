@@ -101,7 +101,3 @@ Continuous batching passes a list of them to the model's forward as ``row_spans`
 grouped attention, :func:`~specforge.models.target.grouped_sdpa_attention`, reads it): for
 left-padded (right-aligned) rows whose keys before that are padding in every row of the span, a
 batch whose rows have very different lengths then reads only their real keys and values."""
-
-DECODE_KERNEL_MODES = ("auto", "on", "off")
-"""``regenerate.decode_kernel``, passed to the model's forward as ``decode_kernel``: see
-:class:`~specforge.config.RegenerateConfig`."""

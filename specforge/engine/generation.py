@@ -13,7 +13,7 @@ every step (``torch.cat``). Here:
    slot is reclaimed when enough rows are done (or new prompts wait), in one compaction that
    also drops the columns only padding fills.
 
-Keys/values live in :class:`~specforge.data.kv_cache.GrowingKVLayer` buffers with spare
+Keys/values live in :class:`~specforge.models.kv_cache.GrowingKVLayer` buffers with spare
 columns: a step writes in place instead of re-allocating the cache. Greedy rows take the
 argmax; sampled rows draw from the temperature / top-p warped distribution with a generator of
 their own (seeded per request), so a request's answer does not depend on which other requests
@@ -34,8 +34,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from specforge.data.chat import left_padded
-from specforge.data.kv_cache import (
-    DECODE_KERNEL_MODES,
+from specforge.engine.decode_kernel import DECODE_KERNEL_MODES, decode_attention_for
+from specforge.models.kv_cache import (
     GrowingKVLayer,
     RowSpan,
     cache_kwargs,
@@ -101,7 +101,7 @@ def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list
 
 def _right_aligned(parts: list[torch.Tensor], width: int) -> torch.Tensor:
     """(B_i, H, S_i, D) keys or values stacked into one (sum of B_i, H, width + spare, D)
-    buffer of a :class:`~specforge.data.kv_cache.GrowingKVLayer`, each part ending at column
+    buffer of a :class:`~specforge.models.kv_cache.GrowingKVLayer`, each part ending at column
     ``width`` (left-padded with zeros): the running batch's and the joining rows' caches in one
     copy."""
     first = parts[0]
@@ -168,10 +168,11 @@ class GenerationSettings:
     for 2.5% more tokens/s."""
     rows_per_span: int | None = None
     """Decode attention runs over spans of this many consecutive rows, each reading only the
-    key columns its longest row fills (:data:`~specforge.data.kv_cache.RowSpan`).
+    key columns its longest row fills (:data:`~specforge.models.kv_cache.RowSpan`).
     None: :func:`default_rows_per_span` for the model's device."""
     decode_kernel: str = "auto"
-    """Decode steps' attention on CPU (:data:`~specforge.data.kv_cache.DECODE_KERNEL_MODES`)."""
+    """Decode steps' attention on CPU
+    (:data:`~specforge.engine.decode_kernel.DECODE_KERNEL_MODES`)."""
 
     def __post_init__(self) -> None:
         if self.decode_kernel not in DECODE_KERNEL_MODES:
@@ -270,6 +271,8 @@ class ContinuousBatcher:
         self.rows_per_span = settings.rows_per_span or default_rows_per_span(
             self.device, settings.max_batch_size
         )
+        self.decode_attention = decode_attention_for(settings.decode_kernel)
+        """What decode steps pass the model as ``decode_kernel`` (None: its own attention)."""
         self.steps = 0
         """Decode forwards run (for throughput reports)."""
 
@@ -368,7 +371,7 @@ class ContinuousBatcher:
             **cache_kwargs(self.model, batch.cache),
             logits_to_keep=1,
             row_spans=spans,  # options of the target's attention, passed down by HF
-            decode_kernel=self.settings.decode_kernel,
+            decode_kernel=self.decode_attention,
         )
         self.steps += 1
         batch.positions = batch.positions + 1

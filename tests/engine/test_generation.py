@@ -6,7 +6,8 @@ import torch
 
 from specforge.config import RegenerateConfig
 from specforge.data.conversations import Conversation
-from specforge.data.generation import (
+from specforge.distill.regenerate import regenerate_conversations
+from specforge.engine.generation import (
     AUTO_MEMORY_SHARE,
     AUTO_ROWS,
     CPU_ROWS_PER_SPAN,
@@ -19,9 +20,8 @@ from specforge.data.generation import (
     kv_bytes_per_token,
     prefill_groups,
 )
-from specforge.data.kv_cache import cache_kwargs, growing_cache
-from specforge.data.regenerate import regenerate_conversations
 from specforge.io import read_jsonl
+from specforge.models.kv_cache import cache_kwargs, growing_cache
 from specforge.models.target import use_grouped_sdpa
 from tests.helpers import kernel_or_skip, make_tiny_llama
 

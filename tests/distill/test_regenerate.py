@@ -9,8 +9,8 @@ import pytest
 
 from specforge.config import RegenerateConfig
 from specforge.data.conversations import Conversation
-from specforge.data.generation import AUTO_ROWS
-from specforge.data.regenerate import partial_path, regenerate_conversations
+from specforge.distill.regenerate import partial_path, regenerate_conversations
+from specforge.engine.generation import AUTO_ROWS
 
 CONVERSATIONS = [
     Conversation("one", [{"role": "user", "content": "the cat"}]),

@@ -9,10 +9,11 @@ import pytest
 
 from specforge.cli import main
 from specforge.config import SynthesizeConfig
-from specforge.data.generation import Completion
-from specforge.data.synthesize import (
+from specforge.distill.synthesize import (
     ROUND_BATCHES,
+    TOPIC_SYSTEM_PROMPT,
     PromptFilter,
+    attempt_topic,
     attempts_to_ask,
     in_key_order,
     mt_bench_run_hashes,
@@ -20,6 +21,7 @@ from specforge.data.synthesize import (
     user_turn_prefix,
     word_runs,
 )
+from specforge.engine.generation import Completion
 from specforge.errors import UserError
 
 MT_BENCH = Path(__file__).parents[3] / "shared" / "data" / "mt_bench" / "question.jsonl"
@@ -102,3 +104,18 @@ def test_an_absurd_synthesize_count_is_refused_at_once(tiny_target_dir, capsys):
     code = main(["prepare", "--target", str(tiny_target_dir), "--synthesize", "1000000000"])
     assert code == 2
     assert "synthesize.count must be in 0..10,000,000, got 1000000000" in capsys.readouterr().err
+
+
+def test_a_topic_is_named_in_the_system_message_of_its_attempts(tiny_tokenizer):
+    """Attempt ``a`` takes ``topics[a % len(topics)]``; its prefix names it in a system message."""
+    assert [attempt_topic(["cooking", "astronomy"], a) for a in range(3)] == [
+        "cooking",
+        "astronomy",
+        "cooking",
+    ]
+    assert attempt_topic([], 5) is None
+    steered = user_turn_prefix(tiny_tokenizer, TOPIC_SYSTEM_PROMPT.format(topic="cooking"))
+    assert tiny_tokenizer.decode(steered) == (
+        "<|im_start|>system\nYou are a helpful assistant. The user's next request is about "
+        "cooking.<|im_end|>\n<|im_start|>user\n"
+    )

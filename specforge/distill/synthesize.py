@@ -1,6 +1,6 @@
 """Prompts written by the target itself ("Magpie"): the chat template rendered up to the start
 of a user message, sampled until the turn ends, is a user prompt in the target's own
-distribution. With the target's answers (:mod:`specforge.data.regenerate`) it gives any target
+distribution. With the target's answers (:mod:`specforge.distill.regenerate`) it gives any target
 with a chat template an unlimited on-policy corpus, without a dataset.
 
 What a user would not want to train on is dropped, each reason counted:
@@ -15,11 +15,12 @@ What a user would not want to train on is dropped, each reason counted:
   ship hashed in ``mt_bench_6word_runs.txt``).
 
 Resumable: attempts are decided in attempt order, each as soon as every earlier one is, and
-accepted prompts are appended to ``<output>.prompts.jsonl`` (``{"id", "prompt", "attempt"}``)
-then, not when a round of attempts ends, so a kill loses none of them. A rerun keeps them and
-continues from the next attempt, so asking for 96 after 64 adds 32. Attempt ``a`` samples with
-its own seed, ``(seed, a)`` (the prompts a rerun adds can still differ from an uninterrupted
-run's: other rows share the batch, and fp32 batched arithmetic differs in its last bits).
+accepted prompts are appended to ``<output>.prompts.jsonl`` (``{"id", "prompt", "attempt"}``, and
+``"topic"`` when steered) then, not when a round of attempts ends, so a kill loses none of them.
+A rerun keeps them and continues from the next attempt, so asking for 96 after 64 adds 32.
+Attempt ``a`` samples with its own seed, ``(seed, a)`` (the prompts a rerun adds can still
+differ from an uninterrupted run's: other rows share the batch, and fp32 batched arithmetic
+differs in its last bits).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from specforge.data.chat import (
     with_system_prompt,
 )
 from specforge.data.conversations import Conversation
-from specforge.data.generation import (
+from specforge.engine.generation import (
     Completion,
     ContinuousBatcher,
     GenerationSettings,
@@ -84,6 +85,15 @@ def mt_bench_run_hashes() -> set[str]:
 
 def shares_mt_bench_run(text: str, hashes: set[str]) -> bool:
     return any(run_hash(run) in hashes for run in word_runs(text, 6))
+
+
+TOPIC_SYSTEM_PROMPT = "You are a helpful assistant. The user's next request is about {topic}."
+"""The system message that steers an attempt towards a topic (``synthesize.topics``)."""
+
+
+def attempt_topic(topics: list[str], attempt: int) -> str | None:
+    """The topic attempt ``attempt`` is steered to: ``topics`` in turn, or none."""
+    return topics[attempt % len(topics)] if topics else None
 
 
 def user_turn_prefix(tokenizer, system_prompt: str | None) -> list[int]:
@@ -203,7 +213,12 @@ def synthesize_conversations(
     prompt_filter = PromptFilter(cfg, control_tokens(tokenizer))
     for record in kept:
         prompt_filter.accept(record["prompt"])
-    prefix = user_turn_prefix(tokenizer, system_prompt)
+    prefixes = {
+        topic: user_turn_prefix(
+            tokenizer, system_prompt if topic is None else TOPIC_SYSTEM_PROMPT.format(topic=topic)
+        )
+        for topic in cfg.topics or [None]
+    }
     settings = GenerationSettings(
         max_new_tokens=cfg.max_prompt_tokens,
         eos_ids=end_of_turn_ids(tokenizer, model.generation_config),
@@ -220,7 +235,14 @@ def synthesize_conversations(
         # attempt first, since the batcher takes equal-length prompts from the end: the lowest
         # attempts start first
         asked = range(attempt, attempt + attempts_to_ask(cfg.count - len(kept), cfg.batch_size))
-        pending = [Request(a, prefix, seed=zlib.crc32(f"{cfg.seed}:{a}".encode())) for a in asked]
+        pending = [
+            Request(
+                a,
+                prefixes[attempt_topic(cfg.topics, a)],
+                seed=zlib.crc32(f"{cfg.seed}:{a}".encode()),
+            )
+            for a in asked
+        ]
         pending.reverse()
         # decided in attempt order (deterministic) as soon as the earlier attempts are, so
         # accepted prompts are written as they come; the attempts still running when enough
@@ -238,6 +260,8 @@ def synthesize_conversations(
             prompt_filter.accept(text)
             record = {"id": f"synth-{cfg.seed}-{completion.key}", "prompt": text}
             record["attempt"] = completion.key
+            if cfg.topics:
+                record["topic"] = attempt_topic(cfg.topics, completion.key)
             append_jsonl(path, [record])
             kept.append(record)
             progress.update(1)

@@ -40,11 +40,12 @@ from pathlib import Path
 
 import torch
 
-from specforge.data.kv_cache import DECODE_KERNEL_MODES
 from specforge.errors import UserError
 
 log = logging.getLogger(__name__)
 
+DECODE_KERNEL_MODES = ("auto", "on", "off")
+"""``regenerate.decode_kernel``: see :class:`~specforge.config.RegenerateConfig`."""
 NAME = "specforge_decode_attention"
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 HEAD_SIZES = (64, 128)
@@ -175,7 +176,7 @@ def kernel_decode_attention(
     once per reason); ``on`` raises there instead.
 
     Raises:
-        ValueError: a ``mode`` not in :data:`~specforge.data.kv_cache.DECODE_KERNEL_MODES`.
+        ValueError: a ``mode`` not in :data:`DECODE_KERNEL_MODES`.
         UserError: ``on`` where the kernel cannot run.
     """
     if mode not in DECODE_KERNEL_MODES:
@@ -248,3 +249,14 @@ def _build_here(directory: Path) -> None:
 
 if __name__ == "__main__":
     _build_here(Path(sys.argv[1]))
+
+
+def decode_attention_for(mode: str) -> Callable | None:
+    """What a model's forward takes as ``decode_kernel`` for ``mode``: ``None`` (``off``), or
+    ``(query, key, value, mask, scaling) -> output or None`` (:func:`kernel_decode_attention`
+    in that mode), which the target's grouped attention calls on a one-position step."""
+    if mode not in DECODE_KERNEL_MODES:
+        raise ValueError(f"decode kernel mode must be one of {DECODE_KERNEL_MODES}, got {mode!r}")
+    if mode == "off":
+        return None
+    return functools.partial(kernel_decode_attention, mode=mode)

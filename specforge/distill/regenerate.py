@@ -4,7 +4,7 @@ A draft learns the target's own distribution best from the target's own answers,
 assistant turns are dropped and regenerated turn by turn (turn ``j`` of a conversation sees the
 target's answers to turns ``< j``). Two in-process backends (``regenerate.backend``):
 
-- ``continuous`` (default): :mod:`specforge.data.generation`; rows leave the batch when their
+- ``continuous`` (default): :mod:`specforge.engine.generation`; rows leave the batch when their
   answer ends and waiting prompts (other conversations, or the next turn of one just answered)
   take their place;
 - ``static``: ``model.generate`` on fixed batches of ``batch_size`` conversations, turn by turn
@@ -56,15 +56,15 @@ from specforge.data.chat import (
     with_system_prompt,
 )
 from specforge.data.conversations import Conversation
-from specforge.data.generation import (
+from specforge.data.server_client import ChatClient
+from specforge.engine.generation import (
     ContinuousBatcher,
     GenerationSettings,
     Request,
     auto_batch_size,
 )
-from specforge.data.kv_cache import GrowingKVLayer
-from specforge.data.server_client import ChatClient
 from specforge.io import append_jsonl, read_jsonl, write_jsonl_atomic
+from specforge.models.kv_cache import GrowingKVLayer
 
 logger = logging.getLogger(__name__)
 

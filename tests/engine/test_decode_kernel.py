@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specforge.errors import UserError
-from specforge.models.decode_kernel import (
+from specforge.engine.decode_kernel import (
     NAME,
     build_decode_kernel,
     build_directory,
     clear_stale_lock,
     kernel_decode_attention,
 )
+from specforge.errors import UserError
 from tests.helpers import kernel_or_skip
 
 
@@ -101,7 +101,7 @@ def test_kernel_on_refuses_what_it_cannot_run():
 def start_build(directory):
     """The build subprocess the loader runs, started by hand so that a test can kill it."""
     return subprocess.Popen(
-        [sys.executable, "-m", "specforge.models.decode_kernel", str(directory)],
+        [sys.executable, "-m", "specforge.engine.decode_kernel", str(directory)],
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

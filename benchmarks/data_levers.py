@@ -1,0 +1,230 @@
+"""Data levers against the gap between held-out and MT-Bench accept length, at equal tokens.
+
+    python benchmarks/data_levers.py --questions question.jsonl --limit 20 --tokens 150000
+
+Each row self-distils its own corpus with the default recipe plus one change (``specforge
+prepare``), keeps the first ``--tokens`` assistant tokens of it (the built-in prompts first, as
+prepare writes them), trains one pass over them from the same seed, and is scored twice with
+the TTT metrics (``acc_k``, ``tau_pred``):
+
+- on its own held-out split (``train.eval_fraction``): what the recipe reports, and
+- on the target's own greedy answers to the benchmark's questions (``--questions``, both turns,
+  ``bench.max_new_tokens`` tokens, float32: the answers the bench verifies), through
+  ``train.eval_data_path``. This is the comparable column (every row scores the same
+  conversations); its ``acc_0`` is the acceptance of the runtime's first draft token on those
+  turns, which ``specforge bench`` measures in minutes instead of seconds.
+
+No row trains on the benchmark: its questions only score. Rows (``--only`` picks some):
+``recipe``; ``topics`` (prompts steered across MT-Bench's categories by their names, never
+its questions: ``synthesize.topics``); ``answers_128`` (answers cut at the bench's length, so
+twice the prompts at equal tokens); ``synthesized_only`` (no built-in prompts). A row writes
+``OUTPUT/<row>/result.json`` and is skipped on a rerun. Run it alone (2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from specforge.config import DEFAULT_RECIPE, load_config
+from specforge.data.prompts import CATEGORIES
+from specforge.data.questions import load_questions
+from specforge.io import read_jsonl, write_json_atomic, write_jsonl_atomic
+from specforge.results import write_result
+
+
+def rows(synthesize: int) -> dict[str, list[str]]:
+    """Row name -> the overrides it adds to the recipe's prepare and train."""
+    count = f"synthesize.count={synthesize}"
+    return {
+        "recipe": [count],
+        "topics": [count, f"synthesize.topics={json.dumps(list(CATEGORIES))}"],
+        "answers_128": [f"synthesize.count={2 * synthesize}", "regenerate.max_new_tokens=128"],
+        "synthesized_only": [f"synthesize.count={2 * synthesize}", "data.inputs=[]"],
+    }
+
+
+def probe_conversations(args, output: Path) -> Path:
+    """The target's greedy answers to the benchmark's questions (prepared once)."""
+    from specforge.recipes.prepare import prepare
+
+    folder = output / "probe"
+    path = folder / "conversations.jsonl"
+    if path.exists():
+        return path
+    questions = load_questions(args.questions, limit=args.limit)
+    folder.mkdir(parents=True, exist_ok=True)
+    asked = folder / "questions.jsonl"
+    write_jsonl_atomic(
+        asked,
+        (
+            {"id": f"q-{q.id}", "messages": [{"role": "user", "content": t} for t in q.turns]}
+            for q in questions
+        ),
+    )
+    base = load_config(args.config, args.overrides)
+    prepare(
+        load_config(
+            args.config,
+            [
+                *args.overrides,
+                f"output_dir={folder}",
+                f"data.inputs={json.dumps([str(asked)])}",
+                "synthesize.count=0",
+                "regenerate.enabled=true",
+                f"regenerate.max_new_tokens={base.bench.max_new_tokens}",
+                f"target.dtype={base.bench.dtype}",
+                "prepare.vocab_output=null",
+            ],
+        )
+    )
+    return path
+
+
+def assistant_tokens(record: dict) -> int:
+    return sum(len(ids) for ids in record["meta"]["token_ids"])
+
+
+def first_tokens(records: list[dict], budget: int) -> list[dict]:
+    """The leading records whose assistant tokens fit in ``budget``."""
+    kept, total = [], 0
+    for record in records:
+        total += assistant_tokens(record)
+        if total > budget:
+            break
+        kept.append(record)
+    return kept
+
+
+def run_row(args, name: str, overrides: list[str], probe: Path) -> dict:
+    from specforge.recipes.prepare import prepare
+    from specforge.recipes.train import train
+
+    folder = Path(args.output) / name
+    done = folder / "result.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    # 1. the row's corpus, cut at the token budget
+    clock = time.perf_counter()
+    prepared = folder / "conversations.jsonl"
+    if not prepared.exists():
+        prepare(
+            load_config(
+                args.config,
+                [*args.overrides, *overrides, f"output_dir={folder}", "prepare.vocab_output=null"],
+            )
+        )
+    prepare_s = time.perf_counter() - clock
+    records = read_jsonl(prepared)
+    kept = first_tokens(records, args.tokens)
+    data = folder / "train.jsonl"
+    write_jsonl_atomic(data, kept)
+    # 2. one pass over it, scored on its held-out split and on the benchmark's answers
+    base = load_config(args.config, args.overrides)
+    steps = math.ceil(len(kept) * (1 - base.train.eval_fraction) / base.train.batch_size)
+    clock = time.perf_counter()
+    trained = train(
+        load_config(
+            args.config,
+            [
+                *args.overrides,
+                f"output_dir={folder / 'train'}",
+                f"train.data_path={data}",
+                f"train.eval_data_path={probe}",
+                f"train.max_steps={steps}",
+                "train.max_minutes=null",  # one pass, not the recipe's time cap
+                f"train.eval_every={steps}",
+                f"train.save_every={steps}",
+                "train.resume=true",
+            ],
+        )
+    )
+    result = {
+        "row": name,
+        "overrides": overrides,
+        "conversations": len(kept),
+        "prepared_conversations": len(records),
+        "assistant_tokens": sum(assistant_tokens(r) for r in kept),
+        "steps": steps,
+        "prepare_s": round(prepare_s, 1),
+        "train_s": round(time.perf_counter() - clock, 1),
+        "held_out": trained.eval,
+        "benchmark": trained.eval_data,
+    }
+    write_json_atomic(done, result)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--questions", required=True, help="benchmark questions (MT-Bench)")
+    parser.add_argument("--limit", type=int, default=20, help="questions scored")
+    parser.add_argument("--tokens", type=int, default=150_000, help="assistant tokens a row")
+    parser.add_argument("--synthesize", type=int, default=600, help="prompts a row writes")
+    parser.add_argument("--config", default=DEFAULT_RECIPE)
+    parser.add_argument("--only", nargs="+", help="row names to run (default: all)")
+    parser.add_argument("--output", default="outputs/data_levers")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides for every row")
+    args = parser.parse_args()
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    table = rows(args.synthesize)
+    unknown = sorted(set(args.only or []) - set(table))
+    if unknown:
+        parser.error(f"unknown rows {unknown}; choose from {sorted(table)}")
+    probe = probe_conversations(args, output)
+    results = []
+    for name, overrides in table.items():
+        if args.only and name not in args.only:
+            continue
+        results.append(run_row(args, name, overrides, probe))
+        write_result(output / "data_levers.json", {"settings": vars(args), "rows": results})
+    table = figures(results)
+    write_result(
+        output / "data_levers.json",
+        {"settings": vars(args), "rows": results},
+        title="Data levers against the held-out/MT-Bench gap, at equal tokens (CPU)",
+        summary=(
+            f"The default recipe's corpus with one change a row, cut at {args.tokens:,} "
+            "assistant tokens, one pass from one seed; TTT metrics (tau_pred over the recipe's "
+            f"{load_config(args.config, args.overrides).train.ttt_length} steps) on the row's "
+            "own held-out split and on the target's greedy answers to MT-Bench's first "
+            f"{args.limit} questions (both turns). Each row's tokens and prompts are its own."
+        ),
+        figures=table,
+    )
+    print("\n| " + " | ".join(table["columns"]) + " |")
+    print("|" + "---|" * len(table["columns"]))
+    for row in table["rows"]:
+        print("| " + " | ".join(str(v) for v in row) + " |")
+    print(f"\nwrote {output}/data_levers.json")
+
+
+def figures(results: list[dict]) -> dict:
+    """The results page's table: one row per lever."""
+    columns = ["row", "assistant tokens", "conversations", "held-out acc_0", "held-out tau_pred"]
+    columns += ["MT-Bench acc_0", "MT-Bench tau_pred", "gap", "train min"]
+    rows = []
+    for r in results:
+        held, bench = r["held_out"], r["benchmark"]
+        rows.append(
+            [
+                r["row"],
+                r["assistant_tokens"],
+                r["conversations"],
+                round(held["acc_0"], 3),
+                round(held["tau_pred"], 3),
+                round(bench["acc_0"], 3),
+                round(bench["tau_pred"], 3),
+                round(held["tau_pred"] - bench["tau_pred"], 3),
+                round(r["train_s"] / 60, 1),
+            ]
+        )
+    return {"columns": columns, "rows": rows}
+
+
+if __name__ == "__main__":
+    main()
