@@ -183,9 +183,7 @@ def main() -> None:
         results.append(run_row(args, name, overrides, probe))
         write_result(output / "data_levers.json", {"settings": vars(args), "rows": results})
     table = figures(results)
-    write_result(
-        output / "data_levers.json",
-        {"settings": vars(args), "rows": results},
+    page = dict(
         title="Data levers against the held-out/MT-Bench gap, at equal tokens (CPU)",
         summary=(
             f"The default recipe's corpus with one change a row, cut at {args.tokens:,} "
@@ -196,6 +194,7 @@ def main() -> None:
         ),
         figures=table,
     )
+    write_result(output / "data_levers.json", {"settings": vars(args), "rows": results, **page})
     print("\n| " + " | ".join(table["columns"]) + " |")
     print("|" + "---|" * len(table["columns"]))
     for row in table["rows"]:
