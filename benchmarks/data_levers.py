@@ -31,7 +31,6 @@ from pathlib import Path
 
 from specforge.config import DEFAULT_RECIPE, load_config
 from specforge.data.prompts import CATEGORIES
-from specforge.data.questions import load_questions
 from specforge.io import read_jsonl, write_json_atomic, write_jsonl_atomic
 from specforge.results import write_result
 
@@ -47,32 +46,24 @@ def rows(synthesize: int) -> dict[str, list[str]]:
     }
 
 
-def probe_conversations(args, output: Path) -> Path:
-    """The target's greedy answers to the benchmark's questions (prepared once)."""
+def probe_conversations(args, base, output: Path) -> Path:
+    """The target's greedy answers to the benchmark's questions (prepared once; prepare reads
+    MT-Bench's ``turns`` records as they are)."""
     from specforge.recipes.prepare import prepare
 
     folder = output / "probe"
     path = folder / "conversations.jsonl"
     if path.exists():
         return path
-    questions = load_questions(args.questions, limit=args.limit)
-    folder.mkdir(parents=True, exist_ok=True)
-    asked = folder / "questions.jsonl"
-    write_jsonl_atomic(
-        asked,
-        (
-            {"id": f"q-{q.id}", "messages": [{"role": "user", "content": t} for t in q.turns]}
-            for q in questions
-        ),
-    )
-    base = load_config(args.config, args.overrides)
     prepare(
         load_config(
             args.config,
             [
                 *args.overrides,
                 f"output_dir={folder}",
-                f"data.inputs={json.dumps([str(asked)])}",
+                f"data.inputs={json.dumps([args.questions])}",
+                "data.format=questions",
+                f"data.limit={args.limit}",
                 "synthesize.count=0",
                 "regenerate.enabled=true",
                 f"regenerate.max_new_tokens={base.bench.max_new_tokens}",
@@ -99,7 +90,7 @@ def first_tokens(records: list[dict], budget: int) -> list[dict]:
     return kept
 
 
-def run_row(args, name: str, overrides: list[str], probe: Path) -> dict:
+def run_row(args, base, name: str, overrides: list[str], probe: Path) -> dict:
     from specforge.recipes.prepare import prepare
     from specforge.recipes.train import train
 
@@ -123,7 +114,6 @@ def run_row(args, name: str, overrides: list[str], probe: Path) -> dict:
     data = folder / "train.jsonl"
     write_jsonl_atomic(data, kept)
     # 2. one pass over it, scored on its held-out split and on the benchmark's answers
-    base = load_config(args.config, args.overrides)
     steps = math.ceil(len(kept) * (1 - base.train.eval_fraction) / base.train.batch_size)
     clock = time.perf_counter()
     trained = train(
@@ -175,12 +165,13 @@ def main() -> None:
     unknown = sorted(set(args.only or []) - set(table))
     if unknown:
         parser.error(f"unknown rows {unknown}; choose from {sorted(table)}")
-    probe = probe_conversations(args, output)
+    base = load_config(args.config, args.overrides)
+    probe = probe_conversations(args, base, output)
     results = []
     for name, overrides in table.items():
         if args.only and name not in args.only:
             continue
-        results.append(run_row(args, name, overrides, probe))
+        results.append(run_row(args, base, name, overrides, probe))
         write_result(output / "data_levers.json", {"settings": vars(args), "rows": results})
     table = figures(results)
     page = dict(
@@ -188,7 +179,7 @@ def main() -> None:
         summary=(
             f"The default recipe's corpus with one change a row, cut at {args.tokens:,} "
             "assistant tokens, one pass from one seed; TTT metrics (tau_pred over the recipe's "
-            f"{load_config(args.config, args.overrides).train.ttt_length} steps) on the row's "
+            f"{base.train.ttt_length} steps) on the row's "
             "own held-out split and on the target's greedy answers to MT-Bench's first "
             f"{args.limit} questions (both turns). Each row's tokens and prompts are its own."
         ),

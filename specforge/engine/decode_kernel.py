@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 DECODE_KERNEL_MODES = ("auto", "on", "off")
 """``regenerate.decode_kernel``: see :class:`~specforge.config.RegenerateConfig`."""
+
 NAME = "specforge_decode_attention"
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 HEAD_SIZES = (64, 128)
@@ -160,6 +161,13 @@ def load_decode_kernel() -> tuple[Callable | None, str | None]:
     return module.decode_attention, None
 
 
+def check_decode_kernel_mode(mode: str) -> None:
+    """Raises:
+    ValueError: ``mode`` is not one of :data:`DECODE_KERNEL_MODES`."""
+    if mode not in DECODE_KERNEL_MODES:
+        raise ValueError(f"decode kernel mode must be one of {DECODE_KERNEL_MODES}, got {mode!r}")
+
+
 def kernel_decode_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -179,8 +187,7 @@ def kernel_decode_attention(
         ValueError: a ``mode`` not in :data:`DECODE_KERNEL_MODES`.
         UserError: ``on`` where the kernel cannot run.
     """
-    if mode not in DECODE_KERNEL_MODES:
-        raise ValueError(f"decode kernel mode must be one of {DECODE_KERNEL_MODES}, got {mode!r}")
+    check_decode_kernel_mode(mode)
     if mode == "off" or (mode == "auto" and query.device.type != "cpu"):
         return None  # a GPU's attention kernels are its own
     why = _unsupported(query, key, value, mask)
@@ -255,8 +262,7 @@ def decode_attention_for(mode: str) -> Callable | None:
     """What a model's forward takes as ``decode_kernel`` for ``mode``: ``None`` (``off``), or
     ``(query, key, value, mask, scaling) -> output or None`` (:func:`kernel_decode_attention`
     in that mode), which the target's grouped attention calls on a one-position step."""
-    if mode not in DECODE_KERNEL_MODES:
-        raise ValueError(f"decode kernel mode must be one of {DECODE_KERNEL_MODES}, got {mode!r}")
+    check_decode_kernel_mode(mode)
     if mode == "off":
         return None
     return functools.partial(kernel_decode_attention, mode=mode)

@@ -34,7 +34,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from specforge.data.chat import left_padded
-from specforge.engine.decode_kernel import DECODE_KERNEL_MODES, decode_attention_for
+from specforge.engine.decode_kernel import check_decode_kernel_mode, decode_attention_for
 from specforge.models.kv_cache import (
     GrowingKVLayer,
     RowSpan,
@@ -175,9 +175,7 @@ class GenerationSettings:
     (:data:`~specforge.engine.decode_kernel.DECODE_KERNEL_MODES`)."""
 
     def __post_init__(self) -> None:
-        if self.decode_kernel not in DECODE_KERNEL_MODES:
-            modes, got = DECODE_KERNEL_MODES, self.decode_kernel
-            raise ValueError(f"decode kernel mode must be one of {modes}, got {got!r}")
+        check_decode_kernel_mode(self.decode_kernel)
 
 
 CPU_ROWS_PER_SPAN = 16
