@@ -16,8 +16,12 @@ the TTT metrics (``acc_k``, ``tau_pred``):
 
 No row trains on the benchmark: its questions only score. Rows (``--only`` picks some):
 ``recipe``; ``topics`` (prompts steered across MT-Bench's categories by their names, never
-its questions: ``synthesize.topics``); ``answers_128`` (answers cut at the bench's length, so
-twice the prompts at equal tokens); ``synthesized_only`` (no built-in prompts). A row writes
+its questions: ``synthesize.topics``); ``follow_ups`` (every synthesized conversation gets a
+second user turn the target writes over its answer: ``synthesize.follow_ups``);
+``two_answers`` (two answers sampled at temperature 0.7 per prompt:
+``regenerate.num_samples``; a sixth of the synthesized prompts); ``answers_128`` (answers cut at
+the bench's length, so twice the prompts at equal tokens); ``synthesized_only`` (no built-in
+prompts; as many prompts as the recipe's). A row writes
 ``OUTPUT/<row>/result.json`` and is skipped on a rerun. Run it alone (2 CPU cores).
 """
 
@@ -41,8 +45,17 @@ def rows(synthesize: int) -> dict[str, list[str]]:
     return {
         "recipe": [count],
         "topics": [count, f"synthesize.topics={json.dumps(list(CATEGORIES))}"],
+        "follow_ups": [count, "synthesize.follow_ups=1"],
+        # two answers a prompt (sampled: greedy answers would be one answer); the built-in
+        # prompts' answers hold most of the tokens
+        "two_answers": [
+            f"synthesize.count={synthesize // 6}",
+            "regenerate.num_samples=2",
+            "regenerate.temperature=0.7",
+        ],
         "answers_128": [f"synthesize.count={2 * synthesize}", "regenerate.max_new_tokens=128"],
-        "synthesized_only": [f"synthesize.count={2 * synthesize}", "data.inputs=[]"],
+        # as many prompts as the recipe's built-in + synthesized ones
+        "synthesized_only": [f"synthesize.count={synthesize + 300}", "data.inputs=[]"],
     }
 
 
@@ -195,7 +208,8 @@ def main() -> None:
 
 def figures(results: list[dict]) -> dict:
     """The results page's table: one row per lever."""
-    columns = ["row", "assistant tokens", "conversations", "held-out acc_0", "held-out tau_pred"]
+    columns = ["row", "assistant tokens", "conversations", "steps", "held-out acc_0"]
+    columns += ["held-out tau_pred"]
     columns += ["MT-Bench acc_0", "MT-Bench tau_pred", "gap", "train min"]
     rows = []
     for r in results:
@@ -205,6 +219,7 @@ def figures(results: list[dict]) -> dict:
                 r["row"],
                 r["assistant_tokens"],
                 r["conversations"],
+                r["steps"],
                 round(held["acc_0"], 3),
                 round(held["tau_pred"], 3),
                 round(bench["acc_0"], 3),

@@ -322,8 +322,15 @@ class SynthesizeConfig:
     """Steer the prompts across these subjects (names, not example questions): attempt ``a``
     writes its prompt under a system message naming ``topics[a % len(topics)]``; the answer is
     then written without it. Empty: unsteered."""
+    follow_ups: float = 0.0
+    """Share of the synthesized conversations that get a second user turn the target writes
+    after its own first answer (the template up to the next user message, sampled and
+    filtered as the first prompts are) and then answers: multi-turn data like MT-Bench's
+    second turns (:mod:`specforge.distill.follow_ups`). 0: single-turn prompts."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.follow_ups <= 1:
+            raise ConfigError(f"synthesize.follow_ups must be in [0, 1], got {self.follow_ups}")
         for topic in self.topics:
             if not isinstance(topic, str) or not topic.strip():
                 raise ConfigError(f"synthesize.topics must be non-empty strings, got {topic!r}")
@@ -459,7 +466,8 @@ class TrainConfig:
     seed: int = 0
     """Seed of the draft's initialisation and of the data order."""
     eval_fraction: float = 0.05
-    """Share of the conversations held out for evaluation (hash-based, stable)."""
+    """Share of the conversations held out for evaluation (hash-based, stable; the answers
+    ``regenerate.num_samples`` sampled for one prompt are held out together)."""
     eval_every: int = 100
     """Optimizer steps between evaluations on the held-out conversations."""
     eval_data_path: str | None = None

@@ -272,6 +272,49 @@ def test_cli_synthesize_steered_by_topics_records_each_attempts_topic(tmp_path):
     assert all([m["role"] for m in c["messages"]] == ["user", "assistant"] for c in conversations)
 
 
+def test_cli_follow_ups_give_synthesized_conversations_a_second_turn_once(tmp_path):
+    """`synthesize.follow_ups=1`: every synthesized conversation gets a second user turn
+    SmolLM2 wrote over its own answer, kept or dropped by the prompt filter, and a kept one is
+    answered, with the ids of both answers; a rerun redoes nothing."""
+    from specforge.cli import main
+    from specforge.distill.follow_ups import follow_ups_path
+    from specforge.io import read_jsonl
+    from specforge.models.target import load_tokenizer
+
+    out = tmp_path / "multi.jsonl"
+    args = ["prepare", "--target", "smollm2-135m", "--output", str(out), "--synthesize", "6",
+            "synthesize.follow_ups=1", "regenerate.max_new_tokens=32"]  # fmt: skip
+    assert main(args) == 0
+    decisions = read_jsonl(follow_ups_path(out))
+    stats = json.loads((tmp_path / "multi.stats.json").read_text())["follow_ups"]
+    records = read_jsonl(out)
+    assert stats["requested"] == stats["attempts"] == len(decisions) == len(records) == 6
+    kept = {d["id"]: d["prompt"] for d in decisions if "prompt" in d}
+    assert stats["accepted"] == stats["answered"] == len(kept) >= 1
+    assert sum(stats["dropped"].values()) == len(decisions) - len(kept)
+    tokenizer = load_tokenizer(TargetConfig("smollm2-135m"))
+    for r in records:
+        roles = [m["role"] for m in r["messages"]]
+        if r["id"] not in kept:
+            assert roles == ["user", "assistant"]
+            continue
+        assert roles == ["user", "assistant", "user", "assistant"]
+        assert r["messages"][2]["content"] == kept[r["id"]]
+        ids, reasons = r["meta"]["token_ids"], r["meta"]["finish_reasons"]
+        assert len(ids) == len(reasons) == 2
+        answer = ids[1][:-1] if reasons[1] == "stop" else ids[1]
+        assert (
+            tokenizer.decode(answer, skip_special_tokens=True).strip()
+            == r["messages"][3]["content"]
+        )
+    before = out.read_text()
+    assert main(args) == 0
+    again = json.loads((tmp_path / "multi.stats.json").read_text())["follow_ups"]
+    # the kept ones have their second turn; the dropped ones are decided: nothing is redone
+    assert again["requested"] == again["already_done"] == len(decisions) - len(kept)
+    assert again["attempts"] == again["answered"] == 0 and out.read_text() == before
+
+
 def test_synthesis_killed_mid_round_keeps_its_prompts_and_the_rerun_continues(tmp_path):
     """Prompts are written as they are decided (in attempt order), not when the whole round of
     attempts ends: a SIGKILL while the round runs leaves them, and the rerun keeps them and adds

@@ -12,6 +12,7 @@ position from the step number alone.
 from __future__ import annotations
 
 import dataclasses
+import re
 import zlib
 from dataclasses import dataclass
 
@@ -64,10 +65,21 @@ def collate(samples: list[TokenizedSample], pad_id: int = 0) -> Batch:
     return Batch(input_ids, attention_mask, loss_mask, sample_ids=[s.id for s in samples])
 
 
+SAMPLED_ANSWER = re.compile(r"#s\d+$")
+"""The id suffix of one of several answers to a prompt (``regenerate.num_samples``)."""
+
+
+def split_key(sample_id: str) -> str:
+    """What decides a sample's split: its id, without the suffix of a sampled answer, so the
+    answers to one prompt are held out together (one in training would leak the prompt)."""
+    return SAMPLED_ANSWER.sub("", sample_id)
+
+
 def split_train_eval(
     samples: list[TokenizedSample], eval_fraction: float
 ) -> tuple[list[TokenizedSample], list[TokenizedSample]]:
-    """Hash-based, stable split by sample id (at least one eval sample when the fraction > 0).
+    """Hash-based, stable split by sample id (:func:`split_key`; at least one eval sample when
+    the fraction > 0).
 
     Both parts are sorted by id, so the batches do not depend on the order samples were read
     in (a capture stores them sorted by length; online reads them in file order).
@@ -76,9 +88,13 @@ def split_train_eval(
     if eval_fraction <= 0:
         return samples, []
     buckets = 10_000
-    is_eval = [zlib.crc32(s.id.encode()) % buckets < eval_fraction * buckets for s in samples]
-    if not any(is_eval) and len(samples) > 1:
-        is_eval[-1] = True
+    is_eval = [
+        zlib.crc32(split_key(s.id).encode()) % buckets < eval_fraction * buckets for s in samples
+    ]
+    if not any(is_eval) and len(samples) > 1:  # the last prompt's answers, if some remain
+        last = split_key(samples[-1].id)
+        forced = [split_key(s.id) == last for s in samples]
+        is_eval = forced if not all(forced) else [False] * (len(samples) - 1) + [True]
     train = [s for s, e in zip(samples, is_eval, strict=True) if not e]
     held_out = [s for s, e in zip(samples, is_eval, strict=True) if e]
     return train, held_out

@@ -1,2 +1,3 @@
-"""Self-distillation: prompts the target writes (:mod:`.synthesize`) and its answers to every
-user turn (:mod:`.regenerate`), generated through :mod:`specforge.engine`."""
+"""Self-distillation: prompts the target writes (:mod:`.synthesize`), its answers to every
+user turn (:mod:`.regenerate`) and second turns it writes over its own answers
+(:mod:`.follow_ups`), generated through :mod:`specforge.engine`."""

@@ -265,24 +265,12 @@ def regenerate_conversations(
             len(conversations) - len(states),
             len(states),
         )
-    cfg = resolve_batch_size(model, cfg)
     output.parent.mkdir(parents=True, exist_ok=True)
-    run = Regeneration(model, tokenizer, cfg, sidecar, target_name)
-    run.report.batch_size = 0 if cfg.backend == "server" else cfg.batch_size
-    clean = [s for s in states if not control_text_in(tokenizer, s.conversation.messages)]
-    run.report.skipped_control_text, states = len(states) - len(clean), clean
+    run = answer_states(model, tokenizer, states, sidecar, cfg, target_name=target_name)
     run.report.requested, run.report.already_done = (
         len(conversations),
         len(done & {c.id for c in conversations}),
     )
-    start = time.perf_counter()
-    progress = tqdm(total=len(states), desc="regenerate", unit="conv", disable=not states)
-    backend = {"continuous": run_continuous, "static": run_static, "server": run_server}[
-        cfg.backend
-    ]
-    backend(model, run, states, progress, start)
-    progress.close()
-    run.report.seconds = time.perf_counter() - start
     run.report.written = len(earlier) + len(run.records)
     order = {c.id: i for i, c in enumerate(conversations)}
     new_records = earlier + list(run.records.values())  # disjoint: earlier ids were skipped
@@ -291,6 +279,35 @@ def regenerate_conversations(
         write_jsonl_atomic(output, old_records + new_records)
     sidecar.unlink(missing_ok=True)
     return run.report
+
+
+def answer_states(
+    model,
+    tokenizer,
+    states: list[ConversationState],
+    sidecar: Path,
+    cfg: RegenerateConfig,
+    *,
+    target_name: str = "",
+    desc: str = "regenerate",
+) -> Regeneration:
+    """Answer the user turns left in ``states`` through ``cfg.backend``; each finished
+    conversation is appended to ``sidecar`` and kept in the returned run's ``records``
+    (conversations holding special-token text are skipped and counted)."""
+    cfg = resolve_batch_size(model, cfg)
+    run = Regeneration(model, tokenizer, cfg, sidecar, target_name)
+    run.report.batch_size = 0 if cfg.backend == "server" else cfg.batch_size
+    clean = [s for s in states if not control_text_in(tokenizer, s.conversation.messages)]
+    run.report.skipped_control_text, states = len(states) - len(clean), clean
+    start = time.perf_counter()
+    progress = tqdm(total=len(states), desc=desc, unit="conv", disable=not states)
+    backend = {"continuous": run_continuous, "static": run_static, "server": run_server}[
+        cfg.backend
+    ]
+    backend(model, run, states, progress, start)
+    progress.close()
+    run.report.seconds = time.perf_counter() - start
+    return run
 
 
 def _show_rate(progress: tqdm, run: Regeneration, start: float, conversations: int) -> None:

@@ -96,13 +96,14 @@ def attempt_topic(topics: list[str], attempt: int) -> str | None:
     return topics[attempt % len(topics)] if topics else None
 
 
-def user_turn_prefix(tokenizer, system_prompt: str | None) -> list[int]:
-    """The chat template's ids up to where a user message's text begins.
+def user_turn_prefix(tokenizer, history: list[dict[str, str]]) -> list[int]:
+    """The chat template's ids of ``history`` (the messages before it) up to where the next
+    user message's text begins.
 
     Raises:
         UserError: the template does not write a user message's text verbatim.
     """
-    messages = with_system_prompt([{"role": "user", "content": SENTINEL}], system_prompt)
+    messages = [*history, {"role": "user", "content": SENTINEL}]
     text = render(tokenizer, messages, add_generation_prompt=False)
     if SENTINEL not in text:
         raise UserError("the chat template does not write user text verbatim: cannot synthesize")
@@ -197,6 +198,19 @@ def attempts_to_ask(wanted: int, batch_size: int) -> int:
     return min(wanted + wanted // 4 + 1, ROUND_BATCHES * batch_size)
 
 
+def prompt_settings(model, tokenizer, cfg: SynthesizeConfig) -> GenerationSettings:
+    """How the target samples a user turn: ``synthesize``'s temperature, top-p, batch and
+    length, until the turn ends."""
+    return GenerationSettings(
+        max_new_tokens=cfg.max_prompt_tokens,
+        eos_ids=end_of_turn_ids(tokenizer, model.generation_config),
+        pad_id=pad_id_of(tokenizer, model.generation_config),
+        max_batch_size=cfg.batch_size,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+    )
+
+
 def prompts_path(output: Path) -> Path:
     """Where the synthesized prompts of ``output`` are kept."""
     return output.with_name(output.stem + ".prompts.jsonl")
@@ -215,18 +229,14 @@ def synthesize_conversations(
         prompt_filter.accept(record["prompt"])
     prefixes = {
         topic: user_turn_prefix(
-            tokenizer, system_prompt if topic is None else TOPIC_SYSTEM_PROMPT.format(topic=topic)
+            tokenizer,
+            with_system_prompt(
+                [], system_prompt if topic is None else TOPIC_SYSTEM_PROMPT.format(topic=topic)
+            ),
         )
         for topic in cfg.topics or [None]
     }
-    settings = GenerationSettings(
-        max_new_tokens=cfg.max_prompt_tokens,
-        eos_ids=end_of_turn_ids(tokenizer, model.generation_config),
-        pad_id=pad_id_of(tokenizer, model.generation_config),
-        max_batch_size=cfg.batch_size,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-    )
+    settings = prompt_settings(model, tokenizer, cfg)
     attempt = 1 + max((r["attempt"] for r in kept), default=-1)
     start = time.perf_counter()
     progress = tqdm(total=cfg.count, initial=min(len(kept), cfg.count), desc="synthesize")

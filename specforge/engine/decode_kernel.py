@@ -20,12 +20,14 @@ naming the reason.
 
 The build runs in a subprocess with a time limit, so a stuck build cannot hang the stage. A
 build killed half-way (a resumed run's usual history) leaves PyTorch's ``lock`` file behind,
-which makes every later ``load`` wait forever: each build records its process id beside the
-lock, and a lock whose builders are all gone is removed as stale before the next build.
+which makes every later ``load`` wait forever: each process that builds or loads records its
+process id beside the lock (``load`` takes the lock on every call), and a lock whose holders are
+all gone is removed as stale before the next build.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -82,15 +84,29 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def builder_marker(directory: Path):
+    """Record this process as one that may hold ``directory``'s ``lock`` while inside: PyTorch's
+    ``load`` takes the lock on every call, a build or not, so a loading process is a builder."""
+    marker = directory / f"build-{os.getpid()}.pid"
+    marker.write_text(str(os.getpid()))
+    try:
+        yield
+    finally:
+        marker.unlink(missing_ok=True)
+
+
 def clear_stale_lock(directory: Path) -> bool:
-    """Remove PyTorch's build ``lock`` in ``directory`` when no process that builds there is
-    alive (each records ``build-<pid>.pid``); returns whether a stale lock was removed."""
+    """Remove PyTorch's build ``lock`` in ``directory`` when no process that loads or builds
+    there is alive (each records ``build-<pid>.pid`` first, :func:`builder_marker`); returns
+    whether a stale lock was removed."""
     lock = directory / "lock"
+    locked = lock.exists()  # before the markers: a holder writes its marker before the lock
     owners = list(directory.glob("build-*.pid"))
     alive = [p for p in owners if _process_alive(int(p.stem.removeprefix("build-")))]
     for dead in set(owners) - set(alive):
         dead.unlink(missing_ok=True)
-    if lock.exists() and not alive:
+    if locked and not alive:
         lock.unlink(missing_ok=True)
         log.warning("removed a stale build lock in %s (its build was stopped)", directory)
         return True
@@ -141,7 +157,8 @@ def build_decode_kernel(timeout_s: float = BUILD_TIMEOUT_S):
             last = (output or "").strip().splitlines()[-1:] or [f"exit {builder.returncode}"]
             raise UserError(f"building it failed ({last[0]})")
         log.info("decode attention kernel built in %.1f s", time.perf_counter() - start)
-    return _load(directory)
+    with builder_marker(directory):
+        return _load(directory)
 
 
 @functools.cache
@@ -246,12 +263,8 @@ def _warn_once(why: str) -> None:
 
 def _build_here(directory: Path) -> None:
     """The build subprocess: record this process as a builder of ``directory``, then build."""
-    marker = directory / f"build-{os.getpid()}.pid"
-    marker.write_text(str(os.getpid()))
-    try:
+    with builder_marker(directory):
         _load(directory)
-    finally:
-        marker.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

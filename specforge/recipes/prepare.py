@@ -4,7 +4,9 @@
    when there is nothing else);
 2. optionally add prompts the target writes itself (``--synthesize N``,
    :mod:`specforge.distill.synthesize`) and answer every user turn with the target
-   (self-distillation, ``--regenerate``; implied by ``--synthesize``);
+   (self-distillation, ``--regenerate``; implied by ``--synthesize``), then give a share of
+   the synthesized conversations a second turn (``synthesize.follow_ups``,
+   :mod:`specforge.distill.follow_ups`);
 3. write the conversations as OpenAI-messages JSONL (atomically);
 4. tokenize them with the target's chat template and count tokens under the loss mask;
 5. optionally write the draft vocabulary map (``d2t``/``t2d``) from those counts.
@@ -25,6 +27,7 @@ from specforge.data.chat import end_of_turn_ids, set_chat_template, tokenize_con
 from specforge.data.conversations import Conversation
 from specforge.data.sources import load_conversations
 from specforge.data.vocab import save_vocab_map, vocab_map_from_samples
+from specforge.distill.follow_ups import add_follow_ups
 from specforge.distill.regenerate import partial_path, regenerate_conversations
 from specforge.distill.synthesize import synthesize_conversations
 from specforge.errors import UserError
@@ -139,6 +142,18 @@ def _self_distill(cfg: SpecForgeConfig, conversations, result: PrepareResult):
     )
     result.timings_s["regenerate"] = time.perf_counter() - clock
     result.stats["regenerate"] = report.as_dict()
+    if cfg.synthesize.count and cfg.synthesize.follow_ups:
+        follow_ups = add_follow_ups(
+            model,
+            tokenizer,
+            result.output,
+            {c.id for c in synthesized},
+            cfg.synthesize,
+            cfg.regenerate,
+            target_name=cfg.target.name_or_path,
+        )
+        result.timings_s["follow_ups"] = follow_ups.seconds
+        result.stats["follow_ups"] = follow_ups.as_dict()
     wanted = {c.id for c in conversations}
     records = [r for r in read_jsonl(result.output) if r["id"] in wanted]
     return tokenizer, [Conversation.from_record(r) for r in records]

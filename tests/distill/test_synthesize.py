@@ -71,13 +71,19 @@ def test_shipped_mt_bench_runs_are_the_questions_runs():
 
 
 def test_user_turn_prefix_is_the_template_up_to_the_user_text(tiny_tokenizer):
-    prefix = tiny_tokenizer.decode(user_turn_prefix(tiny_tokenizer, None))
+    prefix = tiny_tokenizer.decode(user_turn_prefix(tiny_tokenizer, []))
     assert prefix == "<|im_start|>user\n"
-    with_system = tiny_tokenizer.decode(user_turn_prefix(tiny_tokenizer, "Be brief."))
+    with_system = tiny_tokenizer.decode(
+        user_turn_prefix(tiny_tokenizer, [{"role": "system", "content": "Be brief."}])
+    )
     assert with_system == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+    exchange = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    follow_up = tiny_tokenizer.decode(user_turn_prefix(tiny_tokenizer, exchange))
+    assert follow_up.endswith("Hello.<|im_end|>\n<|im_start|>user\n")
+    assert follow_up.count("<|im_start|>user\n") == 2
     tiny_tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}{% endfor %}"
     with pytest.raises(UserError, match="does not write user text verbatim"):
-        user_turn_prefix(tiny_tokenizer, None)
+        user_turn_prefix(tiny_tokenizer, [])
 
 
 def test_completions_are_released_in_attempt_order_as_soon_as_the_earlier_ones_are_in():
@@ -114,7 +120,9 @@ def test_a_topic_is_named_in_the_system_message_of_its_attempts(tiny_tokenizer):
         "cooking",
     ]
     assert attempt_topic([], 5) is None
-    steered = user_turn_prefix(tiny_tokenizer, TOPIC_SYSTEM_PROMPT.format(topic="cooking"))
+    steered = user_turn_prefix(
+        tiny_tokenizer, [{"role": "system", "content": TOPIC_SYSTEM_PROMPT.format(topic="cooking")}]
+    )
     assert tiny_tokenizer.decode(steered) == (
         "<|im_start|>system\nYou are a helpful assistant. The user's next request is about "
         "cooking.<|im_end|>\n<|im_start|>user\n"

@@ -138,6 +138,34 @@ def test_a_build_past_its_time_limit_is_stopped_and_named(tmp_path, monkeypatch)
     assert not (directory / "lock").exists() and not list(directory.glob("build-*.pid"))
 
 
+LOADER = """
+import sys
+from specforge.engine.decode_kernel import build_decode_kernel
+for _ in range(int(sys.argv[1])):
+    build_decode_kernel()
+"""
+
+
+@pytest.mark.integration
+def test_a_process_loading_the_built_kernel_keeps_its_lock(tmp_path):
+    """PyTorch's ``load`` takes the build lock on every call, a build or not: a process that
+    only loads the kernel holds it too, and another process's stale-lock check must leave it
+    (removing it made the loader fail on releasing it, and the kernel go unused)."""
+    build_decode_kernel(timeout_s=900)  # built once: the loader below only loads
+    directory = build_directory()
+    loader = subprocess.Popen(
+        [sys.executable, "-c", LOADER, "15"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    seen_locked = removed = 0
+    while loader.poll() is None:
+        if (directory / "lock").exists():
+            seen_locked += 1
+            removed += clear_stale_lock(directory)
+    output = loader.stdout.read().decode()
+    assert loader.returncode == 0, output[-2000:]
+    assert seen_locked and not removed
+
+
 def test_a_lock_whose_builder_is_alive_is_kept(tmp_path):
     (tmp_path / "lock").touch()
     (tmp_path / f"build-{os.getpid()}.pid").touch()  # this process: alive

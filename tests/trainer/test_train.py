@@ -146,6 +146,27 @@ def test_global_batch_is_the_same_for_ranks_or_accumulation():
         assert one == two
 
 
+def test_the_sampled_answers_to_one_prompt_share_their_split():
+    """``regenerate.num_samples`` writes ``<id>#s<k>`` per answer: all of a prompt's answers
+    are held out or none (one in training would leak the held-out prompt)."""
+    samples = [
+        TokenizedSample(id=f"synth-0-{p}#s{k}", input_ids=[], loss_mask=[])
+        for p in range(400)
+        for k in range(3)
+    ]
+    train_part, held_out = split_train_eval(samples, 0.1)
+    held_prompts = {s.id.split("#")[0] for s in held_out}
+    assert 0 < len(held_prompts) < 400
+    assert len(held_out) == 3 * len(held_prompts)
+    assert not held_prompts & {s.id.split("#")[0] for s in train_part}
+    # a dataset too small for the fraction still holds out one whole prompt
+    few = [TokenizedSample(id=f"q#s{k}", input_ids=[], loss_mask=[]) for k in range(2)]
+    few += [TokenizedSample(id="r", input_ids=[], loss_mask=[])]
+    train_part, held_out = split_train_eval(few, 0.0001)
+    assert [s.id for s in held_out] in (["r"], ["q#s0", "q#s1"])
+    assert len(train_part) == 3 - len(held_out)
+
+
 def test_token_budget_splits_micro_batches():
     from specforge.data.chat import TokenizedSample
 
