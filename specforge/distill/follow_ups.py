@@ -7,10 +7,10 @@ time give a corpus of first turns.
 ``synthesize.follow_ups`` is the share of the synthesized conversations that get one, picked by
 a hash of ``(synthesize.seed, id)``; a first answer cut at ``regenerate.max_new_tokens`` is
 followed up as it stands (as MT-Bench's second turns follow first answers cut at the bench's
-``max_new_tokens``). A follow-up
-is sampled and filtered as a first prompt is (:class:`~specforge.distill.synthesize.PromptFilter`:
-unfinished, too short, control text, degenerate, near duplicate of another follow-up, a 6-word
-run of MT-Bench); a dropped one leaves its conversation single-turn. The answer is generated as
+``max_new_tokens``). A follow-up is sampled and filtered as a first prompt is
+(:class:`~specforge.distill.synthesize.PromptFilter`: unfinished, too short, control text,
+degenerate, near duplicate of another follow-up, a 6-word run of MT-Bench); a dropped one leaves
+its conversation single-turn. The answer is generated as
 every regenerated turn is (``regenerate.*``), its ids recorded beside the first answer's.
 
 Resumable: each decision is appended to ``<output>.follow_ups.jsonl`` as it is made
@@ -146,7 +146,7 @@ def _decide(
         )
         for index, record in enumerate(todo)
     ]
-    pending.reverse()  # the batcher takes equal-length prompts from the end: the first first
+    pending.reverse()  # of equal-length prompts the batcher takes the last listed first
     for completion in in_key_order(ContinuousBatcher(model, settings).run(pending), 0):
         report.attempts += 1
         report.generated_tokens += len(completion.tokens)
