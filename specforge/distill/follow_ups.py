@@ -10,8 +10,8 @@ followed up as it stands (as MT-Bench's second turns follow first answers cut at
 ``max_new_tokens``). A follow-up is sampled and filtered as a first prompt is
 (:class:`~specforge.distill.synthesize.PromptFilter`: unfinished, too short, control text,
 degenerate, near duplicate of another follow-up, a 6-word run of MT-Bench); a dropped one leaves
-its conversation single-turn. The answer is generated as
-every regenerated turn is (``regenerate.*``), its ids recorded beside the first answer's.
+its conversation single-turn. The answer is generated as every regenerated turn is
+(``regenerate.*``), its ids recorded beside the first answer's.
 
 Resumable: each decision is appended to ``<output>.follow_ups.jsonl`` as it is made
 (``{"id", "prompt"}`` or ``{"id", "dropped"}``, in candidate order) and each answered
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge.config import RegenerateConfig, SynthesizeConfig
+from specforge.data.batching import split_key
 from specforge.data.chat import control_tokens
 from specforge.data.conversations import Conversation
 from specforge.distill.regenerate import ConversationState, answer_states
@@ -61,16 +62,20 @@ def follow_ups_path(output: Path) -> Path:
     return output.with_name(output.stem + ".follow_ups.jsonl")
 
 
+def follow_up_hash(cfg: SynthesizeConfig, record_id: str) -> int:
+    """Conversation ``record_id``'s draw: it picks the conversation and seeds its follow-up."""
+    return zlib.crc32(f"{cfg.seed}:follow-up:{record_id}".encode())
+
+
 def picked(cfg: SynthesizeConfig, record_id: str) -> bool:
     """Whether conversation ``record_id`` is one of the ``cfg.follow_ups`` share."""
-    draw = zlib.crc32(f"{cfg.seed}:follow-up:{record_id}".encode()) % 10_000
-    return draw < round(cfg.follow_ups * 10_000)
+    return follow_up_hash(cfg, record_id) % 10_000 < round(cfg.follow_ups * 10_000)
 
 
 def is_candidate(record: dict, synthesized: set[str], cfg: SynthesizeConfig) -> bool:
     """An answered synthesized single-turn conversation of the share."""
     return (
-        record["id"].partition("#")[0] in synthesized  # "#s<k>": regenerate.num_samples
+        split_key(record["id"]) in synthesized  # without regenerate.num_samples' "#s<k>"
         and [m["role"] for m in record["messages"]][-2:] == ["user", "assistant"]
         and sum(m["role"] == "user" for m in record["messages"]) == 1
         and picked(cfg, record["id"])
@@ -142,7 +147,7 @@ def _decide(
         Request(
             index,
             user_turn_prefix(tokenizer, record["messages"]),
-            seed=zlib.crc32(f"{cfg.seed}:follow-up:{record['id']}".encode()),
+            seed=follow_up_hash(cfg, record["id"]),
         )
         for index, record in enumerate(todo)
     ]
