@@ -3,7 +3,7 @@ each stage a subprocess with its own time limit, its log beside a summary JSON.
 
     python benchmarks/cuda_checks.py --draft outputs/quickstart/export \\
         --questions question.jsonl --data outputs/quickstart/conversations.jsonl \\
-        --output outputs/cuda --quickstart-minutes 30
+        --output outputs/cuda --quickstart-minutes 20
 
 Stages, in order of what a short lease should get first:
 
@@ -21,13 +21,16 @@ Stages, in order of what a short lease should get first:
 3. ``regeneration``: ``benchmarks/prepare_stages.py --device cuda --compare-row-spans``: the
    earlier static batches, ours, continuous batching (one attention span on a GPU) and
    continuous batching with the CPU's 16-row spans;
-4. ``train bN``: ``benchmarks/train_throughput.py`` of the long recipe on CUDA, batch 1 (the
-   recipe's) and 4, on ``--data`` (prepared conversations);
-5. ``long recipe`` (with ``--quickstart-minutes``): ``specforge quickstart`` of the long recipe on
-   CUDA within that budget, 1024 prompts written at a time and ``regenerate.batch_size: auto``
-   answering them (about 890 rows on an 80 GB GPU; a decode step there costs about the same at
-   256 rows and at 1024), 1000 more a round: each stage's tokens/s
-   (``conversations.stats.json``, ``metrics.jsonl``) and the resulting MT-Bench ``tau``.
+4. ``train``: ``benchmarks/train_throughput.py`` of the long recipe on CUDA on ``--data``
+   (prepared conversations): batch 1 (the recipe's) and a ``--batch-tokens`` budget, the TTT
+   step eager and compiled; then ``real size``: ``benchmarks/real_size.py``, a
+   Llama-3.1-8B-shaped target with random weights (training, capture and the runtime's round
+   costs);
+5. ``gpu recipe`` (with ``--quickstart-minutes``): ``specforge quickstart`` of
+   ``configs/smollm2-135m-eagle3-gpu.yaml`` within that budget (its prompts written 4000 at a
+   time and answered with ``regenerate.batch_size: auto``, training on 16k-token micro-batches,
+   compiled): each stage's tokens/s (``conversations.stats.json``, ``metrics.jsonl``) and the
+   resulting MT-Bench ``tau``.
 
 A stage that fails or runs out of time is recorded and the next one runs. Stages without their
 input (no ``--draft`` for 1, no ``--data`` for 4) are skipped.
@@ -43,6 +46,8 @@ import time
 from pathlib import Path
 
 from specforge.results import write_result
+
+GPU_RECIPE = "configs/smollm2-135m-eagle3-gpu.yaml"
 
 
 def stages(args) -> list[tuple[str, list[str], float]]:
@@ -102,26 +107,31 @@ def stages(args) -> list[tuple[str, list[str], float]]:
         )
     )
     if args.data:
-        for batch in (1, 4):
-            runs.append(
-                (
-                    f"train b{batch}",
-                    [py, "benchmarks/train_throughput.py", "--config", args.recipe]
-                    + ["--output", str(out / f"train_throughput_b{batch}.json")]
-                    + [f"target.device={args.device}", f"train.data_path={args.data}"]
-                    + [f"train.batch_size={batch}"],
-                    args.seconds[2],
-                )
+        runs.append(
+            (
+                "train",
+                [py, "benchmarks/train_throughput.py", "--config", args.recipe]
+                + ["--batch-tokens", str(args.batch_tokens)]
+                + ["--output", str(out / "train_throughput.json")]
+                + [f"target.device={args.device}", f"train.data_path={args.data}"],
+                args.seconds[2],
             )
+        )
+        runs.append(
+            (
+                "real size",
+                [py, "benchmarks/real_size.py", "--device", args.device, "--data", args.data]
+                + ["--output", str(out / "real_size"), "--seconds", str(args.seconds[2])],
+                4 * args.seconds[2],
+            )
+        )
     if args.quickstart_minutes:
         runs.append(
             (
-                "long recipe",
-                [py, "-m", "specforge.cli", "quickstart", "--config", args.recipe]
-                + ["--output", str(out / "long"), "--questions", args.questions]
+                "gpu recipe",
+                [py, "-m", "specforge.cli", "quickstart", "--config", GPU_RECIPE]
+                + ["--output", str(out / "gpu"), "--questions", args.questions]
                 + ["--minutes", str(args.quickstart_minutes), f"target.device={args.device}"]
-                + ["synthesize.batch_size=1024", "regenerate.batch_size=auto"]
-                + ["quickstart.synthesize_step=1000", "train.batch_size=4"]
                 + [f"bench.limit={args.limit}"],
                 # the budget, plus loading and the bench's own estimate's slack
                 60 * args.quickstart_minutes * 1.2 + 60,
@@ -138,6 +148,9 @@ def main() -> None:
     parser.add_argument("--data", help="prepared conversations (stage 4)")
     parser.add_argument("--recipe", default="configs/smollm2-135m-eagle3-long.yaml")
     parser.add_argument("--regenerate-prompts", type=int, default=128)
+    parser.add_argument(
+        "--batch-tokens", type=int, default=16384, help="training's token budget (stage 4)"
+    )
     parser.add_argument(
         "--seconds",
         type=float,

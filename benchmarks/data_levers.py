@@ -23,17 +23,25 @@ second user turn the target writes over its answer: ``synthesize.follow_ups``);
 the bench's length, so twice the prompts at equal tokens); ``synthesized_only`` (no built-in
 prompts; as many prompts as the recipe's). A row writes
 ``OUTPUT/<row>/result.json`` and is skipped on a rerun. Run it alone (2 CPU cores).
+
+One pass at the recipe's one conversation a step gives a corpus of long conversations fewer
+optimizer steps than one of short answers at equal tokens. ``--batch-tokens N`` trains the
+rows' same corpora (prepared once) on micro-batches of about ``N`` tokens instead
+(``train.batch_tokens``): about equal tokens a step and so about equal steps, which separates a
+data lever from its number of updates (``OUTPUT/<row>/result_tokens<N>.json``). ``--passes P``
+trains ``P`` passes over the same corpus, scored after each (``result_passes<P>.json``): what
+repeating data buys against new data.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 from specforge.config import DEFAULT_RECIPE, load_config
+from specforge.data.batching import StepBatches, split_train_eval
 from specforge.data.prompts import CATEGORIES
 from specforge.io import read_jsonl, write_json_atomic, write_jsonl_atomic
 from specforge.results import write_result
@@ -103,12 +111,39 @@ def first_tokens(records: list[dict], budget: int) -> list[dict]:
     return kept
 
 
+def one_pass_steps(cfg, data: Path) -> int:
+    """Optimizer steps of one pass over ``data``'s training split, batched as ``cfg`` says."""
+    from specforge.data.chat import set_chat_template
+    from specforge.models.target import load_tokenizer
+    from specforge.trainer.sources import load_training_samples
+
+    tokenizer = load_tokenizer(cfg.target)
+    set_chat_template(tokenizer, cfg.data.chat_template)
+    samples = load_training_samples(cfg, tokenizer, data)
+    train_samples, _ = split_train_eval(samples, cfg.train.eval_fraction)
+    return StepBatches.from_config(train_samples, cfg.train).steps_per_epoch
+
+
+def run_suffix(args) -> str:
+    """What a row's files add to their names when it is not trained one pass at batch 1."""
+    suffix = f"_tokens{args.batch_tokens}" if args.batch_tokens else ""
+    return suffix + (f"_passes{args.passes}" if args.passes > 1 else "")
+
+
+def row_label(name: str, args) -> str:
+    """A row's name in the table, with how it was trained when not one pass at batch 1."""
+    how = [f"{args.batch_tokens} tokens a step"] if args.batch_tokens else []
+    how += [f"{args.passes} passes"] if args.passes > 1 else []
+    return f"{name} ({', '.join(how)})" if how else name
+
+
 def run_row(args, base, name: str, overrides: list[str], probe: Path) -> dict:
     from specforge.recipes.prepare import prepare
     from specforge.recipes.train import train
 
     folder = Path(args.output) / name
-    done = folder / "result.json"
+    suffix = run_suffix(args)
+    done = folder / f"result{suffix}.json"
     if done.exists():
         return json.loads(done.read_text())
     # 1. the row's corpus, cut at the token budget
@@ -126,27 +161,31 @@ def run_row(args, base, name: str, overrides: list[str], probe: Path) -> dict:
     kept = first_tokens(records, args.tokens)
     data = folder / "train.jsonl"
     write_jsonl_atomic(data, kept)
-    # 2. one pass over it, scored on its held-out split and on the benchmark's answers
-    steps = math.ceil(len(kept) * (1 - base.train.eval_fraction) / base.train.batch_size)
+    # 2. --passes over it (one by default), scored on its held-out split and on the
+    # benchmark's answers after each
+    batching = [f"train.batch_tokens={args.batch_tokens}"] if args.batch_tokens else []
+    one_pass = one_pass_steps(load_config(args.config, [*args.overrides, *batching]), data)
+    steps = args.passes * one_pass
     clock = time.perf_counter()
     trained = train(
         load_config(
             args.config,
             [
                 *args.overrides,
-                f"output_dir={folder / 'train'}",
+                *batching,
+                f"output_dir={folder / ('train' + suffix)}",
                 f"train.data_path={data}",
                 f"train.eval_data_path={probe}",
                 f"train.max_steps={steps}",
-                "train.max_minutes=null",  # one pass, not the recipe's time cap
-                f"train.eval_every={steps}",
-                f"train.save_every={steps}",
+                "train.max_minutes=null",  # the passes, not the recipe's time cap
+                f"train.eval_every={one_pass}",
+                f"train.save_every={one_pass}",
                 "train.resume=true",
             ],
         )
     )
     result = {
-        "row": name,
+        "row": row_label(name, args),
         "overrides": overrides,
         "conversations": len(kept),
         "prepared_conversations": len(records),
@@ -157,6 +196,13 @@ def run_row(args, base, name: str, overrides: list[str], probe: Path) -> dict:
         "held_out": trained.eval,
         "benchmark": trained.eval_data,
     }
+    if args.passes > 1:  # the scores after each pass
+        logged = read_jsonl(folder / f"train{suffix}" / "metrics.jsonl")
+        result["per_pass"] = [
+            {"step": r["step"], "split": r["split"], "tau_pred": r["tau_pred"], "acc_0": r["acc_0"]}
+            for r in logged
+            if r["split"] in ("eval", "eval_data") and r["step"] > 0
+        ]
     write_json_atomic(done, result)
     return result
 
@@ -167,6 +213,10 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=20, help="questions scored")
     parser.add_argument("--tokens", type=int, default=150_000, help="assistant tokens a row")
     parser.add_argument("--synthesize", type=int, default=600, help="prompts a row writes")
+    parser.add_argument(
+        "--batch-tokens", type=int, help="train on micro-batches of this many tokens (not 1 a step)"
+    )
+    parser.add_argument("--passes", type=int, default=1, help="passes over each row's corpus")
     parser.add_argument("--config", default=DEFAULT_RECIPE)
     parser.add_argument("--only", nargs="+", help="row names to run (default: all)")
     parser.add_argument("--output", default="outputs/data_levers")
@@ -181,11 +231,12 @@ def main() -> None:
     base = load_config(args.config, args.overrides)
     probe = probe_conversations(args, base, output)
     results = []
+    written = output / f"data_levers{run_suffix(args)}.json"
     for name, overrides in table.items():
         if args.only and name not in args.only:
             continue
         results.append(run_row(args, base, name, overrides, probe))
-        write_result(output / "data_levers.json", {"settings": vars(args), "rows": results})
+        write_result(written, {"settings": vars(args), "rows": results})
     table = figures(results)
     page = dict(
         title="Data levers against the held-out/MT-Bench gap, at equal tokens (CPU)",
@@ -194,16 +245,21 @@ def main() -> None:
             "assistant tokens, one pass from one seed; TTT metrics (tau_pred over the recipe's "
             f"{base.train.ttt_length} steps) on the row's "
             "own held-out split and on the target's greedy answers to MT-Bench's first "
-            f"{args.limit} questions (both turns). Each row's tokens and prompts are its own."
+            f"{args.limit} questions (both turns). Each row's tokens and prompts are its own; "
+            + (
+                f"micro-batches of about {args.batch_tokens} tokens."
+                if args.batch_tokens
+                else "one conversation a step."
+            )
         ),
         figures=table,
     )
-    write_result(output / "data_levers.json", {"settings": vars(args), "rows": results, **page})
+    write_result(written, {"settings": vars(args), "rows": results, **page})
     print("\n| " + " | ".join(table["columns"]) + " |")
     print("|" + "---|" * len(table["columns"]))
     for row in table["rows"]:
         print("| " + " | ".join(str(v) for v in row) + " |")
-    print(f"\nwrote {output}/data_levers.json")
+    print(f"\nwrote {written}")
 
 
 def figures(results: list[dict]) -> dict:

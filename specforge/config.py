@@ -447,6 +447,11 @@ class TrainConfig:
     """Conversations per micro-batch on each rank (padded to the longest)."""
     max_tokens_per_batch: int | None = None
     """Token budget of a micro-batch (``batch_size x padded length``); longer batches are split."""
+    batch_tokens: int | None = None
+    """Micro-batches by token budget instead of by count: conversations of similar length,
+    as many as fit ``batch_tokens`` padded tokens (rows x the longest; a longer conversation
+    goes alone), so every step trains on about the same number of tokens, and one micro-batch
+    fills a GPU. Needs ``batch_size`` 1 and no ``max_tokens_per_batch``. ``null``: by count."""
     grad_accumulation: int = 1
     """Micro-batches per optimizer step on each rank."""
     lr: float = 1e-4
@@ -463,6 +468,11 @@ class TrainConfig:
     dtype: Literal["float32", "bfloat16", "auto"] = "bfloat16"
     """Autocast dtype of the draft's forward (weights and optimizer stay float32). ``auto``:
     as ``target.dtype``'s ``auto``, on the target's device (resolved when training starts)."""
+    compile: Literal["auto", "true", "false"] = "auto"
+    """``true``: the draft's TTT step (its decoder layer, one graph per unrolled step, rows and
+    lengths dynamic) runs through ``torch.compile``, compiled in the first steps;
+    ``auto``: ``true`` on a GPU, where the eager step is bound by issuing kernels, ``false`` on
+    a CPU, where it is bound by its matrix products (benchmarks/train_throughput.py)."""
     seed: int = 0
     """Seed of the draft's initialisation and of the data order."""
     eval_fraction: float = 0.05
@@ -483,6 +493,13 @@ class TrainConfig:
     """Continue from the newest checkpoint in ``<output_dir>/checkpoints``."""
     num_workers: int = 1
     """Offline mode: DataLoader workers that read shards ahead of the step (0: in-process)."""
+    state_cache_gb: float = 0.0
+    """Online mode: keep the target's states of each conversation (aux layers, and the final
+    hidden state where the loss reads it) in host memory, up to this many GiB, so that later
+    passes over it (and repeated evaluations) skip the target's forward, about two thirds of a
+    CPU step (:mod:`specforge.trainer.state_cache`). About ``(3 + f) x hidden x 2`` bytes a
+    token in 16 bits (``f``: the share of tokens under the loss), 4.4 KB for SmolLM2.
+    ``0``: the target runs every step."""
     target_sharding: Literal["replicate", "fsdp"] = "replicate"
     """Online mode under torchrun: every rank holds the whole frozen target (``replicate``), or
     its decoder layers are sharded across ranks with FSDP2 ``fully_shard`` (``fsdp``, for
@@ -513,6 +530,8 @@ class TrainConfig:
         for name in ("num_workers", "warmup_steps", "max_nonfinite_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.state_cache_gb >= 0:
+            raise ConfigError(f"train.state_cache_gb must be >= 0, got {self.state_cache_gb}")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ConfigError(f"train.max_minutes must be > 0 or null, got {self.max_minutes}")
         if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < 1:
@@ -520,6 +539,17 @@ class TrainConfig:
                 f"train.max_tokens_per_batch must be >= 1 or null (no limit), got "
                 f"{self.max_tokens_per_batch}"
             )
+        if self.batch_tokens is not None:
+            if self.batch_tokens < 1:
+                raise ConfigError(
+                    f"train.batch_tokens must be >= 1 or null, got {self.batch_tokens}"
+                )
+            if self.batch_size != 1 or self.max_tokens_per_batch is not None:
+                raise ConfigError(
+                    f"train.batch_tokens ({self.batch_tokens}) sizes micro-batches by tokens: "
+                    f"leave train.batch_size at 1 (got {self.batch_size}) and "
+                    f"train.max_tokens_per_batch null (got {self.max_tokens_per_batch})"
+                )
         if self.max_grad_norm <= 0:
             raise ConfigError(f"train.max_grad_norm must be > 0, got {self.max_grad_norm}")
         if not 0 < self.step_weight <= 1:
@@ -767,8 +797,8 @@ class SpecForgeConfig:
 
 def resolve_auto(cfg: SpecForgeConfig) -> SpecForgeConfig:
     """``cfg`` with its hardware-dependent ``auto`` values made concrete for the running machine:
-    ``target.dtype``, ``train.dtype`` (the draft trains on the target's device),
-    ``bench.draft_dtype``, ``bench.draft_quantize`` and ``engine.compile``. A loaded config
+    ``target.dtype``, ``train.dtype`` and ``train.compile`` (the draft trains on the target's
+    device), ``bench.draft_dtype``, ``bench.draft_quantize`` and ``engine.compile``. A loaded config
     keeps ``auto``, so it means the same on every machine; each stage resolves it when it
     starts and records the result in its outputs. Concrete values are kept as they are.
 
@@ -780,7 +810,11 @@ def resolve_auto(cfg: SpecForgeConfig) -> SpecForgeConfig:
     return dataclasses.replace(
         cfg,
         target=dataclasses.replace(cfg.target, dtype=resolve_auto_dtype(cfg.target.dtype, device)),
-        train=dataclasses.replace(cfg.train, dtype=resolve_auto_dtype(cfg.train.dtype, device)),
+        train=dataclasses.replace(
+            cfg.train,
+            dtype=resolve_auto_dtype(cfg.train.dtype, device),
+            compile=resolve_train_compile(cfg.train.compile, device),
+        ),
         bench=dataclasses.replace(
             cfg.bench,
             draft_dtype=draft_dtype,
@@ -790,6 +824,13 @@ def resolve_auto(cfg: SpecForgeConfig) -> SpecForgeConfig:
             cfg.engine, compile=resolve_engine_compile(cfg.engine.compile, device)
         ),
     )
+
+
+def resolve_train_compile(value: str, device: str) -> str:
+    """``train.compile``'s ``auto`` for ``device``: ``true`` on CUDA, else ``false``."""
+    if value != "auto":
+        return value
+    return "true" if device.startswith("cuda") else "false"
 
 
 def resolve_engine_compile(value: str, device: str) -> str:

@@ -110,19 +110,19 @@ def provenance(command: list[str] | None = None) -> dict[str, Any]:
     }
 
 
-def write_result(path: str | Path, figures: dict[str, Any], **page: Any) -> dict[str, Any]:
+def write_result(path: str | Path, measured: dict[str, Any], /, **page: Any) -> dict[str, Any]:
     """Write what a benchmark measured with its :func:`provenance`, atomically.
 
     Args:
         path: the JSON file.
-        figures: the benchmark's results (kept whole under their own keys; the provenance's
+        measured: the benchmark's results (kept whole under their own keys; the provenance's
             keys replace any of the same name).
         page: optional ``title``, ``summary`` and ``figures`` for the results page.
 
     Returns:
         The record written.
     """
-    record = {**figures, **provenance(), **page}
+    record = {**measured, **provenance(), **page}
     write_json_atomic(Path(path), record)
     return record
 

@@ -150,6 +150,7 @@ def test_missing_file_and_non_mapping(tmp_path):
         "train.min_lr_ratio=1.5",
         "train.weight_decay=-0.1",
         "train.max_tokens_per_batch=0",
+        "train.batch_tokens=0",
         "train.max_minutes=0",
         "train.max_minutes=.nan",
         "regenerate.temperature=.nan",
@@ -167,6 +168,15 @@ def test_numeric_fields_out_of_range_are_refused_naming_the_key(override):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=re.escape(key)):
         load_config(None, [override])
+
+
+def test_a_token_budget_refuses_a_count_beside_it():
+    """``batch_tokens`` sizes micro-batches itself: a batch size or a split budget beside it
+    would be silently ignored."""
+    for other in ("train.batch_size=4", "train.max_tokens_per_batch=512"):
+        with pytest.raises(ConfigError, match=re.escape(other.split("=")[0])):
+            load_config(None, ["train.batch_tokens=2048", other])
+    assert load_config(None, ["train.batch_tokens=2048"]).train.batch_tokens == 2048
 
 
 def test_malformed_yaml_is_a_config_error(tmp_path):

@@ -21,7 +21,7 @@ from specforge.config import ConfigError, load_config, recipe_path
 from specforge.docgen import main as docgen_main
 from specforge.docgen import pages
 from specforge.errors import UserError
-from specforge.results import PROVENANCE_KEYS, load_results
+from specforge.results import PROVENANCE_KEYS, load_results, write_result
 from tests.helpers import REPO, sglang_loopback
 
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -79,6 +79,17 @@ def test_every_results_file_says_where_it_was_measured():
         assert record["versions"]["torch"] and record["versions"]["transformers"], stem
         if record.get("image"):
             assert (REPO / "docs" / "results" / record["image"]).is_file(), stem
+
+
+def test_a_benchmark_writes_its_page_keys_beside_its_figures(tmp_path):
+    """``write_result``'s page keywords (``figures`` among them) reach the file with the
+    provenance, and the file loads as a results record."""
+    record = write_result(
+        tmp_path / "run.json", {"rows": [1, 2]}, title="t", summary="s", figures={"x": 1}
+    )
+    assert json.loads((tmp_path / "run.json").read_text()) == record
+    assert record["figures"] == {"x": 1} and record["rows"] == [1, 2]
+    assert [stem for stem, _ in load_results(tmp_path)] == ["run"]
 
 
 def test_a_results_file_without_provenance_is_refused(tmp_path):

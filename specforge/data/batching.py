@@ -1,12 +1,13 @@
 """Deterministic, resumable batching shared by every rank.
 
 Each epoch shuffles the samples with ``seed + epoch``, groups them into micro-batches of
-``batch_size`` (split further when a micro-batch's padded size exceeds ``max_tokens_per_batch``),
-and deals them out: optimizer step ``s`` of an epoch consumes the micro-batches
-``[s * W * A, (s + 1) * W * A)`` (``W`` ranks, ``A`` accumulation steps); rank ``r`` takes the
-``a``-th of its share at index ``s * W * A + a * W + r``. So one process with ``A = 2`` and two
-processes with ``A = 1`` see the same global batch, and a resumed run recomputes its data
-position from the step number alone.
+``batch_size`` (split further when a micro-batch's padded size exceeds ``max_tokens_per_batch``)
+or, under a token budget (``batch_tokens``), of samples of similar length up to that many
+padded tokens (the batches in a shuffled order), and deals them out: optimizer step ``s`` of an
+epoch consumes the micro-batches ``[s * W * A, (s + 1) * W * A)`` (``W`` ranks, ``A``
+accumulation steps); rank ``r`` takes the ``a``-th of its share at index ``s * W * A + a * W +
+r``. So one process with ``A = 2`` and two processes with ``A = 1`` see the same global batch,
+and a resumed run recomputes its data position from the step number alone.
 """
 
 from __future__ import annotations
@@ -107,10 +108,14 @@ def epoch_micro_batches(
     seed: int,
     batch_size: int,
     max_tokens_per_batch: int | None,
+    batch_tokens: int | None = None,
 ) -> list[list[int]]:
-    """The epoch's micro-batches as lists of sample indices."""
+    """The epoch's micro-batches as lists of sample indices (by token budget when
+    ``batch_tokens`` is set: :func:`token_budget_batches`)."""
     generator = torch.Generator().manual_seed(seed + epoch)
     order = torch.randperm(len(samples), generator=generator).tolist()
+    if batch_tokens is not None:
+        return token_budget_batches(samples, order, batch_tokens, generator)
     batches = []
     for start in range(0, len(order), batch_size):
         group = order[start : start + batch_size]
@@ -129,6 +134,25 @@ def epoch_micro_batches(
     return batches
 
 
+def token_budget_batches(
+    samples: list[TokenizedSample], order: list[int], budget: int, generator: torch.Generator
+) -> list[list[int]]:
+    """Micro-batches of about ``budget`` padded tokens each: the samples in ``order`` (an
+    epoch's shuffle) sorted by length, so that equal lengths stay shuffled, filled longest
+    first while rows x longest length stays within ``budget`` (a sample longer than the budget
+    is a micro-batch alone), then the batches in an order drawn from ``generator``. Every
+    optimizer step sees about the same number of tokens, whatever the lengths (with one
+    sample a micro-batch, long conversations make fewer steps per token than short ones)."""
+    by_length = sorted(order, key=lambda i: -len(samples[i].input_ids))
+    batches: list[list[int]] = []
+    for index in by_length:  # longest first: a batch's first sample sets its padded width
+        if batches and len(samples[batches[-1][0]].input_ids) * (len(batches[-1]) + 1) <= budget:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+
+
 class StepBatches:
     """Micro-batches of optimizer step ``step`` for one rank, across epochs."""
 
@@ -143,11 +167,13 @@ class StepBatches:
         rank,
         grad_accumulation,
         pad_id=0,
+        batch_tokens=None,
     ):
         self.samples = samples
         self.seed = seed
         self.batch_size = batch_size
         self.max_tokens_per_batch = max_tokens_per_batch
+        self.batch_tokens = batch_tokens
         self.world_size = world_size
         self.rank = rank
         self.grad_accumulation = grad_accumulation
@@ -161,6 +187,21 @@ class StepBatches:
                 f"than one optimizer step needs ({per_step} = ranks x grad_accumulation)"
             )
 
+    @classmethod
+    def from_config(cls, samples, train, *, world_size=1, rank=0, pad_id=0) -> StepBatches:
+        """The batches ``train`` (a :class:`~specforge.config.TrainConfig`) asks for."""
+        return cls(
+            samples,
+            seed=train.seed,
+            batch_size=train.batch_size,
+            max_tokens_per_batch=train.max_tokens_per_batch,
+            batch_tokens=train.batch_tokens,
+            world_size=world_size,
+            rank=rank,
+            grad_accumulation=train.grad_accumulation,
+            pad_id=pad_id,
+        )
+
     def _epoch(self, epoch: int) -> list[list[int]]:
         if epoch not in self._epoch_cache:
             self._epoch_cache = {
@@ -170,6 +211,7 @@ class StepBatches:
                     seed=self.seed,
                     batch_size=self.batch_size,
                     max_tokens_per_batch=self.max_tokens_per_batch,
+                    batch_tokens=self.batch_tokens,
                 )
             }
         return self._epoch_cache[epoch]

@@ -25,6 +25,7 @@ ONEDNN_PRIMITIVE_CACHE_CAPACITY = "16"
 AUTO_FIELDS = (
     ("target", "dtype"),
     ("train", "dtype"),
+    ("train", "compile"),
     ("bench", "draft_dtype"),
     ("bench", "draft_quantize"),
     ("engine", "compile"),

@@ -174,23 +174,9 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     draft_config = Eagle3Config.from_target(
         head.config, draft_vocab_size=vocab_map.draft_vocab_size, **cfg.draft.switches
     )
-    draft = build_draft_model(
-        draft_config,
-        target_embedding=head.embed_tokens.float().cpu(),
-        target_lm_head=head.lm_head.float().cpu() * head.transform.scale,
-        d2t=vocab_map.d2t,
-        t2d=vocab_map.t2d,
-        target_norm=head.norm.float().cpu(),
-        seed=tc.seed,
-    )
-    if tc.init_from_target:
-        copied = init_from_target_layer(
-            draft,
-            {name: w.float().cpu() for name, w in head.last_layer.items()},
-            target_act=config_value(head.config, "hidden_act", "hidden_activation", "activation"),
-        )
-        logger.info("initialised from the target's last layer: %s", ", ".join(copied))
-    draft = draft.to(device)
+    draft = new_draft(cfg, draft_config, head, vocab_map).to(device)
+    if tc.compile == "true":
+        compile_ttt_step(draft)
     # 3. optimizer, resume, and the objective DDP wraps
     optimizer = build_optimizer(
         [p for p in draft.parameters() if p.requires_grad], tc, ranks.world_size
@@ -204,15 +190,8 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     if ranks.is_main:
         out.mkdir(parents=True, exist_ok=True)
         save_vocab_map(vocab_map, out / "vocab_map.safetensors")
-    batches = StepBatches(
-        train_samples,
-        seed=tc.seed,
-        batch_size=tc.batch_size,
-        max_tokens_per_batch=tc.max_tokens_per_batch,
-        world_size=ranks.world_size,
-        rank=ranks.rank,
-        grad_accumulation=tc.grad_accumulation,
-        pad_id=source.pad_id,
+    batches = StepBatches.from_config(
+        train_samples, tc, world_size=ranks.world_size, rank=ranks.rank, pad_id=source.pad_id
     )
     log = MetricsLog(cfg, ranks.is_main)
     log.start_at(start_step)
@@ -233,6 +212,35 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
         start_seconds=start_seconds,
         identity=run_identity,
     )
+
+
+def new_draft(cfg: SpecForgeConfig, config: Eagle3Config, head, vocab_map) -> Eagle3DraftModel:
+    """The draft before training: the target's embedding, ``lm_head`` rows and final norm,
+    and its last layer where ``train.init_from_target`` asks."""
+    draft = build_draft_model(
+        config,
+        target_embedding=head.embed_tokens.float().cpu(),
+        target_lm_head=head.lm_head.float().cpu() * head.transform.scale,
+        d2t=vocab_map.d2t,
+        t2d=vocab_map.t2d,
+        target_norm=head.norm.float().cpu(),
+        seed=cfg.train.seed,
+    )
+    if cfg.train.init_from_target:
+        copied = init_from_target_layer(
+            draft,
+            {name: w.float().cpu() for name, w in head.last_layer.items()},
+            target_act=config_value(head.config, "hidden_act", "hidden_activation", "activation"),
+        )
+        logger.info("initialised from the target's last layer: %s", ", ".join(copied))
+    return draft
+
+
+def compile_ttt_step(draft: Eagle3DraftModel) -> None:
+    """Run ``draft``'s TTT step through ``torch.compile`` (``train.compile``): one graph per
+    unrolled step (each reads one more step's keys), lengths and rows dynamic; the weights,
+    their gradients and the checkpoints are the module's own."""
+    draft.ttt_step = torch.compile(draft.ttt_step, dynamic=True)
 
 
 def samples_sha256(samples: list[TokenizedSample]) -> str:
@@ -386,6 +394,16 @@ def train(cfg: SpecForgeConfig, *, stop_after_step: int | None = None) -> TrainR
     try:
         return _loop(run, min(cfg.train.max_steps, stop_after_step or cfg.train.max_steps))
     finally:
+        cache = getattr(run.source, "cache", None)
+        if cache is not None:
+            logger.info(
+                "train.state_cache_gb: %d conversations kept (%.2f GiB); %d batches from them, "
+                "%d through the target",
+                len(cache),
+                cache.used_bytes / 2**30,
+                cache.hits,
+                cache.misses,
+            )
         run.close()
 
 
@@ -431,10 +449,13 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
         # 5. log
         if logged:
             window_seconds = time.perf_counter() - window_start
+            window_steps = len(window) // tc.grad_accumulation
             result.train = ttt_metrics(window, tc.ttt_length) | {
                 "lr": lr,
                 "grad_norm": float(grad_norm),
                 "tokens_per_s": window_tokens * run.ranks.world_size / window_seconds,
+                "tokens_per_step": window_tokens * run.ranks.world_size / window_steps,
+                "seconds_per_step": window_seconds / window_steps,
             }
             run.log.log(done, "train", result.train)
             shown = {k: v for k, v in result.train.items() if k == "loss" or k.startswith("acc_")}

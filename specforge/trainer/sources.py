@@ -40,6 +40,7 @@ from specforge.models.target import (
     target_head,
     target_hidden_states,
 )
+from specforge.trainer.state_cache import TargetStateCache
 from specforge.trainer.ttt import TargetDistribution, target_distribution
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,8 @@ class OnlineTarget:
             shard_decoder_layers(decoder_layers(self.model), device)
         self.samples = load_training_samples(cfg, self.tokenizer)
         self.pad_id = pad_id_of(self.tokenizer, self.generation_config)
+        gib = cfg.train.state_cache_gb
+        self.cache = TargetStateCache(int(gib * 2**30)) if gib > 0 else None
 
     def step_batches(self, batches: StepBatches, steps: range) -> Iterator[list[Batch]]:
         for step in steps:
@@ -138,11 +141,17 @@ class OnlineTarget:
 
     @torch.no_grad()
     def states(self, batch: Batch, draft: Eagle3DraftModel):
-        states = target_hidden_states(
-            self.model, batch.input_ids, batch.attention_mask, aux_layer_ids=self.aux_layer_ids
-        )
-        distribution = draft_target_distribution(states.last_hidden_state, self.head, draft, batch)
-        return states.aux_hidden_states, distribution
+        kept = self.cache.lookup(batch) if self.cache is not None else None
+        if kept is not None:  # an earlier pass's states (train.state_cache_gb)
+            aux, last = kept
+        else:
+            states = target_hidden_states(
+                self.model, batch.input_ids, batch.attention_mask, aux_layer_ids=self.aux_layer_ids
+            )
+            aux, last = states.aux_hidden_states, states.last_hidden_state
+            if self.cache is not None:
+                self.cache.store(batch, aux, last)
+        return aux, draft_target_distribution(last, self.head, draft, batch)
 
 
 # ---------------------------------------------------------------------------------------------

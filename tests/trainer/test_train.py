@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -48,9 +49,10 @@ def test_loss_decreases_and_accuracy_rises_on_memorizable_data(tmp_path, peaked_
     assert "embed_tokens.weight" not in load_file(result.checkpoint / "draft.safetensors")
 
 
-def test_resume_reproduces_an_uninterrupted_run(tmp_path, peaked_target_dir):
+@pytest.mark.parametrize("batching", [[], ["train.batch_tokens=96"]], ids=["count", "tokens"])
+def test_resume_reproduces_an_uninterrupted_run(tmp_path, peaked_target_dir, batching):
     folder, data = peaked_target_dir
-    steps = ["train.max_steps=8", "train.save_every=3", "train.eval_every=100"]
+    steps = ["train.max_steps=8", "train.save_every=3", "train.eval_every=100", *batching]
     full = train(tiny_train_config(folder, data, tmp_path / "full", *steps))
     interrupted = tmp_path / "interrupted"
     train(tiny_train_config(folder, data, interrupted, *steps), stop_after_step=4)
@@ -128,14 +130,20 @@ def test_max_minutes_not_spent_stops_no_step_early(tmp_path, peaked_target_dir):
     assert [r["step"] for r in metrics(out, "eval")] == [0, 1, 2, 3]
 
 
-def test_global_batch_is_the_same_for_ranks_or_accumulation():
+@pytest.mark.parametrize("batch_tokens", [None, 9])
+def test_global_batch_is_the_same_for_ranks_or_accumulation(batch_tokens):
     from specforge.data.chat import TokenizedSample
 
     samples = [
         TokenizedSample(str(i), torch.arange(i % 5 + 2), torch.ones(i % 5 + 2, dtype=torch.bool))
         for i in range(20)
     ]
-    common = {"seed": 3, "batch_size": 1, "max_tokens_per_batch": None}
+    common = {
+        "seed": 3,
+        "batch_size": 1,
+        "max_tokens_per_batch": None,
+        "batch_tokens": batch_tokens,
+    }
     single = StepBatches(samples, world_size=1, rank=0, grad_accumulation=2, **common)
     ranks = [
         StepBatches(samples, world_size=2, rank=r, grad_accumulation=1, **common) for r in (0, 1)
@@ -176,6 +184,39 @@ def test_token_budget_splits_micro_batches():
     ]
     batches = epoch_micro_batches(samples, epoch=0, seed=0, batch_size=4, max_tokens_per_batch=20)
     assert all(len(b) == 2 for b in batches) and len(batches) == 4
+
+
+def test_token_budget_batches_hold_similar_lengths_within_the_budget():
+    """``train.batch_tokens``: every sample once an epoch, each micro-batch within the budget
+    (rows x its longest) unless one sample alone passes it, lengths grouped (little padding),
+    the batches' order reshuffled each epoch and the same for the same seed."""
+    lengths = [3 + (i * 37) % 60 for i in range(200)] + [150]
+    samples = [
+        TokenizedSample(str(i), torch.arange(n), torch.ones(n, dtype=torch.bool))
+        for i, n in enumerate(lengths)
+    ]
+
+    def epoch(number, seed=0):
+        return epoch_micro_batches(
+            samples,
+            epoch=number,
+            seed=seed,
+            batch_size=1,
+            max_tokens_per_batch=None,
+            batch_tokens=128,
+        )
+
+    first = epoch(0)
+    assert sorted(i for b in first for i in b) == list(range(len(samples)))
+    for batch in first:
+        widths = [lengths[i] for i in batch]
+        assert max(widths) * len(batch) <= 128 or len(batch) == 1
+    assert [200] in first  # longer than the budget: alone
+    padded = sum(max(lengths[i] for i in b) * len(b) for b in first)
+    assert padded < 1.1 * sum(lengths)
+    assert epoch(0) == first and epoch(1) != first and epoch(0, seed=1) != first
+    # about the budget's tokens a step, where batch_size 1 gave one sample a step
+    assert len(first) < len(samples) / 3
 
 
 @pytest.mark.integration
@@ -225,3 +266,49 @@ def test_eval_data_with_offline_shards_is_refused(tmp_path, peaked_target_dir):
         tiny_train_config(
             folder, data, tmp_path / "run", "data.mode=offline", f"train.eval_data_path={data}"
         )
+
+
+@pytest.mark.integration
+def test_a_compiled_ttt_step_trains_as_the_eager_one(tmp_path, peaked_target_dir):
+    """``train.compile: true`` (torch.compile of the draft's TTT step) gives the eager run's
+    losses and weights, under token-budget batches of several rows and lengths."""
+    folder, data = peaked_target_dir
+    common = ["train.max_steps=4", "train.log_every=1", "train.batch_tokens=96"]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    runs = {
+        mode: train(
+            tiny_train_config(folder, data, tmp_path / mode, *common, f"train.compile={mode}")
+        )
+        for mode in ("false", "true")
+    }
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # it did compile
+    eager, compiled = (metrics(tmp_path / mode, "train") for mode in ("false", "true"))
+    assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], rel=1e-4)
+    a, b = (load_file(runs[m].checkpoint / "draft.safetensors") for m in ("false", "true"))
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+
+
+def test_a_pass_from_kept_target_states_trains_as_one_through_the_target(
+    tmp_path, peaked_target_dir, caplog
+):
+    """``train.state_cache_gb``: over two and a half passes at one conversation a step in
+    float32, the weights equal a run whose target runs every step, and the later passes'
+    batches came from the kept states (the held-out evaluations' too)."""
+    folder, data = peaked_target_dir
+    common = ["train.max_steps=25", "train.eval_every=10"]
+    plain = train(tiny_train_config(folder, data, tmp_path / "plain", *common))
+    with caplog.at_level("INFO", logger="specforge.recipes.train"):
+        kept = train(
+            tiny_train_config(folder, data, tmp_path / "kept", *common, "train.state_cache_gb=1")
+        )
+    report = next(r.getMessage() for r in caplog.records if "state_cache_gb" in r.getMessage())
+    found = re.search(r"(\d+) batches from them, (\d+) through", report)
+    hits, misses = int(found[1]), int(found[2])
+    assert hits > misses > 0
+    assert [r["loss"] for r in metrics(tmp_path / "kept", "train")] == [
+        r["loss"] for r in metrics(tmp_path / "plain", "train")
+    ]
+    a, b = (load_file(run.checkpoint / "draft.safetensors") for run in (plain, kept))
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=0)

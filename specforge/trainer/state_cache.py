@@ -1,0 +1,119 @@
+"""The target's states kept in memory between passes of online training
+(``train.state_cache_gb``): an offline capture made on the fly.
+
+Online training runs the frozen target over every micro-batch, and on a CPU that forward is
+about two thirds of a step. A conversation trained on again in a later pass (or evaluated
+again) needs exactly the states it had before, so the first forward over a conversation keeps
+what the loss reads of it, as ``specforge capture`` stores it (:mod:`specforge.data.hidden_states`):
+the aux layers at every token and the final hidden state at the positions the loss scores,
+in the target's dtype. A later batch whose conversations are all kept is rebuilt from them and
+the target does not run; the target distribution is derived from the kept final states by the
+same code as online and offline training. Conversations are kept in the order they come until
+the budget is spent.
+
+A kept conversation is matched by its id and its token ids (two files may give one id to
+different conversations: a mismatch is a miss, never another conversation's states). At one
+conversation a micro-batch in float32, a pass from the cache equals a pass with the target
+(tested); in a batch padded to another width a 16-bit forward rounds differently, as
+it would in any other batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specforge.data.batching import Batch
+from specforge.data.chat import scored_positions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Kept:
+    """One conversation's states."""
+
+    input_ids: torch.Tensor
+    """(T,) its token ids (what a lookup must match)."""
+    aux: torch.Tensor
+    """(T, 3 * Ht) the aux layers."""
+    positions: torch.Tensor
+    """(M,) the positions the loss scores."""
+    last: torch.Tensor
+    """(M, Ht) the final hidden state there."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.input_ids, self.aux, self.positions, self.last))
+
+
+class TargetStateCache:
+    """Conversations' target states by sample id, within ``budget_bytes`` of host memory."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self.hits = 0
+        """Batches rebuilt from kept states (the target's forward skipped)."""
+        self.misses = 0
+        self._kept: dict[str, _Kept] = {}
+        self._full_logged = False
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def _match(self, batch: Batch, row: int) -> _Kept | None:
+        kept = self._kept.get(batch.sample_ids[row])
+        length = int(batch.attention_mask[row].sum())
+        if kept is None or len(kept.input_ids) != length:
+            return None
+        if not torch.equal(kept.input_ids, batch.input_ids[row, :length].cpu()):
+            return None
+        return kept
+
+    def lookup(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(aux (B, T, 3Ht), last hidden (B, T, Ht))`` on the batch's device when every row is
+        kept (the last hidden state is zero where the loss does not read it), else ``None``."""
+        kept = [self._match(batch, row) for row in range(len(batch.sample_ids))]
+        if not kept or any(k is None for k in kept):
+            self.misses += 1
+            return None
+        batch_size, length = batch.input_ids.shape
+        aux = kept[0].aux.new_zeros(batch_size, length, kept[0].aux.shape[-1])
+        last = kept[0].last.new_zeros(batch_size, length, kept[0].last.shape[-1])
+        for row, k in enumerate(kept):
+            aux[row, : len(k.input_ids)] = k.aux
+            last[row, k.positions] = k.last
+        self.hits += 1
+        device = batch.input_ids.device
+        return aux.to(device), last.to(device)
+
+    def store(self, batch: Batch, aux: torch.Tensor, last: torch.Tensor) -> None:
+        """Keep the rows of a batch the target just ran over (those not kept yet, while the
+        budget holds them)."""
+        scored = scored_positions(batch.loss_mask, batch.attention_mask)
+        for row, sample_id in enumerate(batch.sample_ids):
+            if sample_id in self._kept:
+                continue  # kept (or another conversation under this id: left to the target)
+            length = int(batch.attention_mask[row].sum())
+            positions = scored[row, :length].nonzero()[:, 0]
+            kept = _Kept(
+                input_ids=batch.input_ids[row, :length].cpu().clone(),
+                aux=aux[row, :length].to("cpu", copy=True),
+                positions=positions.cpu(),
+                last=last[row, positions].to("cpu", copy=True),
+            )
+            if self.used_bytes + kept.nbytes > self.budget_bytes:
+                if not self._full_logged:
+                    logger.info(
+                        "train.state_cache_gb is full at %d conversations (%.2f GiB): the rest "
+                        "run the target every pass",
+                        len(self._kept),
+                        self.used_bytes / 2**30,
+                    )
+                    self._full_logged = True
+                return
+            self._kept[sample_id] = kept
+            self.used_bytes += kept.nbytes
