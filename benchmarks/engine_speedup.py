@@ -11,7 +11,8 @@ cold and from a warm compile cache.
    again with the cache that run left (warm);
 2. **bench**: ``specforge bench`` on ``--questions`` (every turn; greedy, float32,
    ``--num-steps``), compiled engine, with that warm cache: HF ``generate``, the engine
-   compiled, and the runtime, each output checked against HF's;
+   compiled, prompt lookup through the same engine (``--prompt-lookup-num-tokens``; 0 skips
+   it) and the runtime, each output checked against HF's;
 3. **eager**: the engine without compilation on the first turns of the first ``--eager-limit``
    questions, beside HF ``generate`` and the compiled engine on the same prompts.
 
@@ -124,6 +125,24 @@ def eager_rows(
     return rows
 
 
+def lookup_figures(result: dict) -> dict:
+    """The prompt-lookup baseline's figures beside the runtime's (none when it was skipped)."""
+    if result["speedup_prompt_lookup"] is None:
+        return {}
+    return {
+        "prompt lookup through the engine: tokens/s, tau": (
+            f"{result['tokens_per_s']['prompt_lookup']:.2f}, {result['tau_prompt_lookup']:.3f}"
+        ),
+        "prompt lookup's speedup over the compiled target alone": (
+            f"{result['speedup_prompt_lookup']:.2f}x"
+        ),
+        "runtime's speedup / prompt lookup's": (
+            f"{result['speedup'] / result['speedup_prompt_lookup']:.2f}"
+        ),
+        "prompt lookup's outputs identical": result["prompt_lookup_all_match"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m")
@@ -133,6 +152,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="the first N questions only")
     parser.add_argument("--num-steps", default="auto")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
     parser.add_argument("--eager-limit", type=int, default=10)
     parser.add_argument("--output", default="outputs/bench/engine_speedup")
     parser.add_argument("--warm-up-only", action="store_true", help=argparse.SUPPRESS)
@@ -162,7 +182,7 @@ def main() -> None:
         f"bench.questions={questions}",
         f"bench.num_steps={args.num_steps}",
         f"bench.max_new_tokens={args.max_new_tokens}",
-        "bench.prompt_lookup_num_tokens=0",
+        f"bench.prompt_lookup_num_tokens={args.prompt_lookup_num_tokens}",
         f"bench.output={out / 'bench'}",
         "engine.compile=true",
     ]
@@ -182,6 +202,7 @@ def main() -> None:
         "outputs identical (runtime; engine's target alone)": (
             f"{result['all_match']}; {result['engine_all_match']}"
         ),
+        **lookup_figures(result),
         "graphs compiled": result["engine"]["compilations"],
         "compile warm-up, cold / warm cache (s)": f"{cold:.1f} / {warm:.1f}",
         f"first turns of {args.eager_limit} questions, tokens/s": "; ".join(
@@ -199,8 +220,9 @@ def main() -> None:
             "summary": (
                 f"{result['turns']} turns of {Path(questions).name}, greedy, float32, batch "
                 f"size 1, num_steps {args.num_steps}: the runtime against the target alone "
-                "through the same compiled engine, HF generate beside both, and the "
-                "compilation's warm-up from a cold and a warm cache."
+                "through the same compiled engine, prompt lookup through that engine and HF "
+                "generate beside both, and the compilation's warm-up from a cold and a warm "
+                "cache."
             ),
             "figures": figures,
         },

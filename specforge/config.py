@@ -628,8 +628,9 @@ class BenchConfig:
     limit: int | None = None
     """Benchmark only the first ``limit`` questions."""
     prompt_lookup_num_tokens: int = 10
-    """Tokens proposed per step by the prompt-lookup baseline; 0 skips that baseline (a third
-    of the benchmark's time)."""
+    """Tokens proposed per step by the prompt-lookup baseline (n-gram drafting, verified through
+    the same engine as the target alone); 0 skips that baseline (a third of the benchmark's
+    time)."""
     target_compile: bool = False
     """The target alone (the baseline ``speedup`` is measured against, and the reference
     outputs) decodes with a static KV cache and ``torch.compile`` (compiled in the warm-up).

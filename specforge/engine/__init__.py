@@ -7,6 +7,8 @@ self-distillation, evaluation) and :mod:`specforge.models`.
 - :mod:`specforge.engine.target`: the target's forward over a bounded set of shapes (token
   counts and key spans), eager or compiled once with ``torch.compile`` and reused, returning
   the logits and the auxiliary hidden states the draft reads;
+- :mod:`specforge.engine.prompt_lookup`: prompt-lookup decoding (n-gram proposals verified
+  by the target's engine), the free baseline the bench measures a draft against;
 - :mod:`specforge.engine.generation`: continuous batching (rows join and leave a running
   batch), sampling (temperature, nucleus), the automatic rows in flight;
 - :mod:`specforge.engine.decode_kernel`: the CPU decode-attention kernel (AVX-512), which

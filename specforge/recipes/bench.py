@@ -1,4 +1,4 @@
-"""The ``bench`` recipe: the target alone, transformers' prompt-lookup decoding and our
+"""The ``bench`` recipe: the target alone, prompt-lookup decoding and our
 speculative runtime on the same prompts in the same run (batch size 1, greedy), or, with
 ``bench.engine: sglang``, the accept length a running SGLang server reports.
 

@@ -7,6 +7,7 @@ import torch
 
 from specforge.config import resolve_engine_compile
 from specforge.engine.cache import SlotKVCache, gather_cache
+from specforge.engine.prompt_lookup import ngram_candidates, prompt_lookup_generate
 from specforge.engine.target import SPAN_STEP, TargetEngine, build_engine, key_span
 from specforge.errors import UserError
 from specforge.serving.speculative import SpeculativeDecoder
@@ -76,10 +77,57 @@ def test_a_multi_turn_run_compiles_no_more_than_the_bounded_shapes(target, compi
     for _turn in range(4):
         tokens, _ = decoder.generate(history, max_new_tokens=90)
         compiled.generate(history, max_new_tokens=20)
+        prompt_lookup_generate(compiled, history, max_new_tokens=20, num_tokens=4)
         history = torch.cat([history, torch.tensor([tokens]), history[:, :7]], 1)
     assert history.shape[1] > SPAN_STEP  # the turns crossed a span
     assert compiled.stats.compilations <= 2
     assert len(compiled.stats.shapes) > compiled.stats.compilations
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_prompt_lookup_through_the_engine_decodes_as_hf_generate(target, compiled, compile):
+    """Proposals from the sequence's own n-grams, verified by the engine: the target's greedy
+    output, in fewer rounds than tokens where the output repeats itself."""
+    engine = compiled if compile else TargetEngine(target, aux_layer_ids=AUX, compile=False)
+    emitted = rounds = 0
+    for prompt in prompts(5, seed=2):
+        prompt = torch.cat([prompt, prompt], 1)  # a prompt that repeats (what lookup reads)
+        reference = greedy_reference(target, prompt, 60)[prompt.shape[1] :]
+        tokens, turn_rounds = prompt_lookup_generate(
+            engine, prompt, max_new_tokens=60, num_tokens=4
+        )
+        assert tokens == reference
+        emitted, rounds = emitted + len(tokens) - 1, rounds + turn_rounds
+    assert rounds < emitted  # some proposals were accepted
+
+
+def test_prompt_lookup_stops_at_an_end_token_and_at_the_budget(target, compiled):
+    prompt = prompts(3, seed=4)[2]
+    reference = greedy_reference(target, prompt, 30)[prompt.shape[1] :]
+    eos = reference[12]
+    ends = reference[: reference.index(eos) + 1]
+    tokens, _ = prompt_lookup_generate(
+        compiled, prompt, max_new_tokens=30, num_tokens=6, eos_token_ids=[eos]
+    )
+    assert tokens == ends
+    for budget in (1, 2, 7):
+        tokens, rounds = prompt_lookup_generate(
+            compiled, prompt, max_new_tokens=budget, num_tokens=6
+        )
+        assert tokens == reference[:budget] and rounds <= budget - 1
+
+
+def test_ngram_candidates_follow_transformers_prompt_lookup():
+    """The longest n-gram first, its earliest occurrence with a continuation, at most
+    ``num_tokens``; nothing when only the last n-gram itself matches."""
+    sequence = torch.tensor([1, 2, 3, 9, 2, 3, 4, 2, 3])
+    assert ngram_candidates(sequence, num_tokens=2).tolist() == [9, 2]
+    assert ngram_candidates(sequence, num_tokens=2, max_ngram=1).tolist() == [9, 2]
+    assert ngram_candidates(torch.tensor([5, 6, 7, 8, 5, 6]), num_tokens=3).tolist() == [7, 8, 5]
+    # no earlier (4, 3): the unigram 3's continuation
+    assert ngram_candidates(torch.tensor([1, 2, 3, 4, 3]), num_tokens=5).tolist() == [4, 3]
+    for sequence, count in (([1, 2, 3], 5), ([7], 3), ([1, 2, 1], 0)):
+        assert ngram_candidates(torch.tensor(sequence), num_tokens=count).tolist() == []
 
 
 def test_the_cache_is_written_by_slot_and_gathers_a_path():

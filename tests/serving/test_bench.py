@@ -80,6 +80,11 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
     assert result["engine_all_match"] is True and result["speedup_vs_hf_generate"] > 0
     assert "the target alone through the same engine, compiled" in report
     assert result["tokens_per_s"]["target"] > 0 and result["tokens_per_s"]["target_hf"] > 0
+    # prompt lookup (on by default) is verified through the same engine: the target's outputs,
+    # at least a token a round
+    assert result["prompt_lookup_all_match"] is True and result["tau_prompt_lookup"] >= 1.0
+    lookup = f"{result['speedup_prompt_lookup']:.2f}x (tau {result['tau_prompt_lookup']:.3f})"
+    assert lookup in report
     progress = capsys.readouterr().err  # a sign of life: turns done, tokens/s, running tau
     assert "bench: 100%" in progress and "3/3" in progress and "tau=" in progress
 
