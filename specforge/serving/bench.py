@@ -343,8 +343,10 @@ def _times(ratio: float | None) -> str:
     return "(not run)" if ratio is None else f"{ratio:.2f}x"
 
 
-def _tau_words(tau: float | None) -> str:
-    return "not counted" if tau is None else f"tau {tau:.3f}"
+def _lookup_words(result: dict[str, Any]) -> str:
+    """Prompt lookup's speedup and, where it ran through the engine, its ``tau``."""
+    speedup, tau = _times(result["speedup_prompt_lookup"]), result["tau_prompt_lookup"]
+    return speedup if tau is None else f"{speedup} (tau {tau:.3f})"
 
 
 def write_report(result: dict[str, Any], out: Path) -> None:
@@ -370,8 +372,7 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         f"| the target alone through the engine, against HF generate | "
         f"{result['target_vs_hf_generate']:.2f}x (outputs identical: "
         f"{result['engine_all_match']}) |",
-        f"| prompt-lookup speedup (the same target forward; its tau) | "
-        f"{_times(result['speedup_prompt_lookup'])} ({_tau_words(result['tau_prompt_lookup'])}) |",
+        f"| prompt-lookup speedup (the same target forward; its tau) | {_lookup_words(result)} |",
         f"| all outputs identical to the target's | {result['all_match']} "
         f"({result['match_rate']:.1%}) |",
         "",
