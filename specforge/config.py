@@ -607,6 +607,12 @@ class BenchConfig:
     """``num_steps: auto``, greedy: at most this many further candidates for the first draft
     position, verified beside the chain (a small tree) in rounds where the costs say they pay;
     0 keeps ``auto`` to chains. Ignored where the target's attention cannot verify a tree."""
+    auto_lookup: int = 7
+    """``num_steps: auto``: prompt lookup competes with the draft. Each round, the up to this
+    many tokens that followed the last n-gram's earlier occurrence in the conversation are
+    verified instead of the draft's tokens when their measured acceptance promises more tokens
+    per second (learnt every round from the target's tokens); 0: the draft's always. A fixed
+    depth does not use it. The outputs stay the target's either way."""
     max_new_tokens: int = 256
     """Longest answer per turn."""
     dtype: Dtype = "float32"
@@ -653,6 +659,10 @@ class BenchConfig:
             )
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"bench.limit must be >= 1 or null, got {self.limit}")
+        if not 0 <= self.auto_lookup <= AUTO_MAX_DEPTH:
+            raise ConfigError(
+                f"bench.auto_lookup must be in 0..{AUTO_MAX_DEPTH}, got {self.auto_lookup}"
+            )
         if not 0 <= self.auto_siblings <= AUTO_MAX_DEPTH:
             raise ConfigError(
                 f"bench.auto_siblings must be in 0..{AUTO_MAX_DEPTH}, got {self.auto_siblings}"

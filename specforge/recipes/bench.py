@@ -81,6 +81,7 @@ def build_comparison(cfg: SpecForgeConfig) -> tuple[MethodComparison, Any]:
         topk=bc.topk,
         num_draft_tokens=bc.num_draft_tokens,
         max_siblings=bc.auto_siblings,
+        lookup_tokens=bc.auto_lookup if bc.num_steps == "auto" else 0,
         engine=engine,
     )
     comparison = MethodComparison(

@@ -320,6 +320,8 @@ def bench_report(
         "dormant_rounds": tally.stats.dormant_rounds,
         "sibling_rounds": tally.stats.sibling_rounds,
         "sibling_hits": len(tally.stats.sibling_hit_rounds),
+        # rounds that verified prompt-lookup tokens instead of the draft's (bench.auto_lookup)
+        "lookup_rounds": len(tally.stats.lookup_rounds),
         "calibration": calibration,
         "sglang_advice": measured_advice(tally.stats, settings),
         "per_category": {c: _tau([r for r in turns if r["category"] == c]) for c in categories},
@@ -405,6 +407,10 @@ def write_report(result: dict[str, Any], out: Path) -> None:
             f"| (rounds with siblings of the first token; a sibling accepted) | "
             f"{result['sibling_rounds']}; {result['sibling_hits']} |"
         )
+        if s.get("auto_lookup"):
+            lines.append(
+                f"| (rounds that verified prompt lookup's tokens) | {result['lookup_rounds']} |"
+            )
     if result.get("sglang_advice"):
         lines += ["", advice_markdown(result["sglang_advice"]).replace("# ", "## ", 1)]
     if result.get("calibration"):

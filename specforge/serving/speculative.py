@@ -30,6 +30,7 @@ import torch
 from specforge.config import AUTO_MAX_DEPTH
 from specforge.engine.cache import crop_cache, gather_cache
 from specforge.engine.generation import warp_probs
+from specforge.engine.prompt_lookup import ngram_candidates
 from specforge.engine.target import TargetEngine
 from specforge.errors import UserError
 from specforge.models.adapter import check_logits, serving_refusal, tree_refusal
@@ -101,6 +102,10 @@ class SpecStats:
     """The rounds (indices into :attr:`accepted_per_round`) in which a sibling, not the
     chain's first token, was the target's token: their accepted token counts in ``tau`` but
     not in the chain's :attr:`acceptance_per_position`."""
+    lookup_rounds: list[int] = field(default_factory=list)
+    """The rounds (indices into :attr:`accepted_per_round`) that verified prompt-lookup tokens
+    instead of the draft's (greedy ``auto`` with ``lookup_tokens``): their tokens count in
+    ``tau`` but not in the draft's :attr:`acceptance_per_position`."""
 
     @property
     def tau(self) -> float:
@@ -118,9 +123,11 @@ class SpecStats:
         rates = []
         # rounds recorded without a depth ran the fixed num_steps
         depths = self.depth_per_round or [self.num_steps] * len(self.accepted_per_round)
-        chain = list(self.accepted_per_round)
+        chain, depths = list(self.accepted_per_round), list(depths)
         for index in self.sibling_hit_rounds:
             chain[index] = 0  # the chain's own first token was rejected
+        for index in self.lookup_rounds:
+            chain[index] = depths[index] = 0  # the draft proposed nothing there
         rounds = list(zip(chain, depths, strict=True))
         for k in range(1, self.num_steps + 1):
             reached = sum(a >= k - 1 and depth >= k for a, depth in rounds)
@@ -136,6 +143,7 @@ class SpecStats:
     def merge(self, other: SpecStats) -> None:
         offset = len(self.accepted_per_round)
         self.sibling_hit_rounds.extend(offset + index for index in other.sibling_hit_rounds)
+        self.lookup_rounds.extend(offset + index for index in other.lookup_rounds)
         self.verifications += other.verifications
         self.emitted += other.emitted
         self.accepted_per_round.extend(other.accepted_per_round)
@@ -157,6 +165,38 @@ def _joined(pending, new):
     return tuple(torch.cat([old, more], 1) for old, more in zip(pending, new, strict=True))
 
 
+def _checked_depth(num_steps, topk: int, num_draft_tokens: int | None, max_siblings: int) -> int:
+    """The draft depth the runtime works with (``auto``: :data:`AUTO_MAX_DEPTH`), after
+    checking the drafting settings.
+
+    Raises:
+        UserError: a setting out of range, or settings that do not go together.
+    """
+    if num_steps == "auto":
+        if topk != 1:
+            raise UserError(f"num_steps auto drafts chains only (topk 1), got topk={topk}")
+        num_steps = AUTO_MAX_DEPTH
+    if not isinstance(num_steps, int):
+        raise UserError(f"num_steps must be an integer or 'auto', got {num_steps!r}")
+    if num_steps < 1 or topk < 1:
+        raise UserError(f"num_steps and topk must be >= 1, got {num_steps}, {topk}")
+    if not 0 <= max_siblings <= AUTO_MAX_DEPTH:
+        raise UserError(f"max_siblings must be in 0..{AUTO_MAX_DEPTH}, got {max_siblings}")
+    _check_tree_size(topk, num_steps, num_draft_tokens)
+    return num_steps
+
+
+def _check_decoding(temperature: float, top_p: float, lookup_tokens: int, *, auto: bool) -> None:
+    """Refuse sampling settings out of range, and prompt lookup beside a fixed depth or
+    sampling (:class:`PromptLookup` competes with greedy ``auto``'s draft only)."""
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise UserError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    if lookup_tokens < 0 or (lookup_tokens and (not auto or temperature > 0)):
+        raise UserError(
+            f"lookup_tokens needs num_steps auto and greedy decoding, got {lookup_tokens}"
+        )
+
+
 def _check_tree_size(topk: int, num_steps: int, num_draft_tokens: int | None) -> None:
     """A tree (``topk > 1``) needs a size between 2 and the most its levels hold."""
     largest = 1 + topk + (num_steps - 1) * topk * topk
@@ -165,6 +205,44 @@ def _check_tree_size(topk: int, num_steps: int, num_draft_tokens: int | None) ->
             f"tree drafting needs 2 <= num_draft_tokens <= {largest} for topk={topk}, "
             f"num_steps={num_steps}; got {num_draft_tokens}"
         )
+
+
+@dataclass
+class PromptLookup:
+    """Greedy ``auto``'s prompt-lookup proposals and what it learnt of them."""
+
+    tokens: int
+    """The most tokens proposed (and verified) in a round."""
+    estimate: AcceptanceEstimate = field(init=False)
+    """Running acceptance per position of the proposals, learnt from every round's emitted
+    tokens, verified or not."""
+    history: torch.Tensor | None = None
+    """The sequence so far, prompt and output (on the CPU)."""
+    proposal: torch.Tensor | None = None
+    """This round's proposal after :attr:`history` (``None``: none)."""
+
+    def __post_init__(self) -> None:
+        self.estimate = AcceptanceEstimate(self.tokens)
+
+    def propose(self, output: list[int], prompt_length: int, *, awake: bool) -> None:
+        """This round's :attr:`proposal` from :attr:`history` (first grown by the ``output``
+        tokens it lacks): ``None`` while the draft sleeps or when no earlier n-gram matches."""
+        known = len(self.history) - prompt_length
+        if known < len(output):
+            self.history = torch.cat([self.history, torch.tensor(output[known:])])
+        proposal = ngram_candidates(self.history, num_tokens=self.tokens) if awake else None
+        self.proposal = proposal if proposal is not None and len(proposal) else None
+
+    def learn(self, emitted: list[int]) -> None:
+        """The estimates after a round, from its emitted tokens (the target's own, whatever
+        was verified): the proposal's positions up to its first difference from them, as far
+        as the round reached."""
+        if self.proposal is not None:
+            reached = min(len(self.proposal), len(emitted))
+            matched = 0
+            while matched < reached and int(self.proposal[matched]) == emitted[matched]:
+                matched += 1
+            self.estimate.observe(reached, matched)
 
 
 class SpeculativeDecoder:
@@ -189,6 +267,7 @@ class SpeculativeDecoder:
         temperature: float = 0.0,
         top_p: float = 1.0,
         max_siblings: int = AUTO_MAX_SIBLINGS,
+        lookup_tokens: int = 0,
         engine: TargetEngine | None = None,
     ):
         """
@@ -208,6 +287,11 @@ class SpeculativeDecoder:
             max_siblings: greedy ``auto``: at most this many further candidates for the first
                 draft position verified beside the chain where the costs say they pay (0:
                 chains only; none on a target whose attention cannot verify a tree).
+            lookup_tokens: greedy ``auto``: prompt-lookup proposals (the up to this many
+                tokens that followed the last n-gram's earlier occurrence,
+                :func:`~specforge.engine.prompt_lookup.ngram_candidates`) are verified instead
+                of the draft's in a round where their measured acceptance promises more tokens
+                per second (0: the draft's always).
             engine: a :class:`~specforge.engine.target.TargetEngine` over ``target_model`` that
                 runs its forwards, or ``None``: transformers' forward with a growing cache.
 
@@ -216,19 +300,8 @@ class SpeculativeDecoder:
                 (recurrent layers; a tree on flash attention), before any generation.
         """
         self.auto = num_steps == "auto"
-        if self.auto:
-            if topk != 1:
-                raise UserError(f"num_steps auto drafts chains only (topk 1), got topk={topk}")
-            num_steps = AUTO_MAX_DEPTH
-        if not isinstance(num_steps, int):
-            raise UserError(f"num_steps must be an integer or 'auto', got {num_steps!r}")
-        if num_steps < 1 or topk < 1:
-            raise UserError(f"num_steps and topk must be >= 1, got {num_steps}, {topk}")
-        if not 0 <= max_siblings <= AUTO_MAX_DEPTH:
-            raise UserError(f"max_siblings must be in 0..{AUTO_MAX_DEPTH}, got {max_siblings}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise UserError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-        _check_tree_size(topk, num_steps, num_draft_tokens)
+        num_steps = _checked_depth(num_steps, topk, num_draft_tokens, max_siblings)
+        _check_decoding(temperature, top_p, lookup_tokens, auto=self.auto)
         no_tree = None if engine is not None else tree_refusal(target_model)
         refusal = serving_refusal(target_model) or (topk > 1 and no_tree)
         if refusal:
@@ -256,6 +329,8 @@ class SpeculativeDecoder:
         """Siblings ``auto`` may verify: none where the target cannot verify a tree."""
         self.costs: CostModel | None = None
         """This device's round costs (``auto``; measured by :meth:`calibrate`)."""
+        self.lookup = PromptLookup(min(lookup_tokens, num_steps)) if lookup_tokens else None
+        """Prompt lookup competing with the draft (``lookup_tokens``)."""
 
     @torch.no_grad()
     def calibrate(self, input_ids: torch.Tensor, *, context: int = 256) -> CostModel:
@@ -399,6 +474,10 @@ class SpeculativeDecoder:
                 draft_logits, draft_tokens, probs, candidate
             )
             depth = len(probs)
+            lookup = self._lookup_depth(probs, ranked[:siblings])
+            if lookup:  # prompt lookup promises more than the draft this round
+                stats.draft_seconds += self._clock() - start
+                return self._lookup_round(next_token, length, lookup, target_cache, stats)
         else:
             depth = self._estimated_depth() if self.auto else self.num_steps
             if depth:
@@ -444,6 +523,36 @@ class SpeculativeDecoder:
         crop_cache(target_cache, length + 1 + accepted)
         emitted = (draft_tokens[:accepted].tolist() if depth else []) + [bonus]
         return emitted, accepted, aux[:, : accepted + 1]
+
+    def _lookup_depth(self, probs: list[float], siblings: list[tuple[int, float]]) -> int:
+        """How many of this round's prompt-lookup tokens to verify in place of the draft's
+        chain with ``probs`` and ``siblings``: the depth with the most expected tokens per
+        second under the lookup estimates, when that beats the draft's round; else 0 (and
+        always 0 without ``lookup_tokens`` or a proposal)."""
+        if self.lookup is None or self.lookup.proposal is None:
+            return 0
+        rates = self.lookup.estimate.rates()[: len(self.lookup.proposal)]
+        depth = min(best_depth(rates, self.costs), len(rates))
+        chain = [self.confidence.acceptance(q) for q in probs]
+        others = [self.sibling_confidence.acceptance(q) for _, q in siblings]
+        drafted = round_rate(chain, others, self.costs)
+        return depth if depth and round_rate(rates[:depth], [], self.costs) > drafted else 0
+
+    def _lookup_round(self, next_token, length, depth, target_cache, stats):
+        """A round verifying the first ``depth`` prompt-lookup tokens instead of the draft's;
+        returns what :meth:`_chain_round` does."""
+        start = self._clock()
+        proposal = self.lookup.proposal[:depth]
+        verify_ids = torch.cat([torch.tensor([next_token]), proposal]).to(self.device)
+        target_logits, aux = self._target_forward(verify_ids[None], target_cache)
+        seconds = self._clock() - start
+        stats.verify_seconds += seconds
+        self.costs.observe_verify(depth + 1, seconds)
+        accepted, bonus = self.accept(proposal, target_logits)
+        stats.lookup_rounds.append(len(stats.accepted_per_round))
+        stats.depth_per_round.append(depth)
+        crop_cache(target_cache, length + 1 + accepted)
+        return proposal[:accepted].tolist() + [bonus], accepted, aux[:, : accepted + 1]
 
     def _fan_round(self, next_token, length, tree, ranked, probs, candidate, target_cache, stats):
         """Greedy ``auto``'s round with siblings: verify the chain and the siblings beside its
@@ -615,6 +724,13 @@ class SpeculativeDecoder:
         stats.depth_per_round.append(self.num_steps)
         return self._keep_path(tree, path, bonus, length, target_cache, aux)
 
+    def _observe_other(self, round_start: float, measured: float, stats: SpecStats) -> None:
+        """``auto``: the time outside drafting and verification of a round the draft is awake
+        for (its extension included: every such round but the first has one), into the
+        running average; ``measured`` is the drafting and verification time before it."""
+        inside = stats.draft_seconds + stats.verify_seconds - measured
+        self.costs.observe_other(self._clock() - round_start - inside)
+
     @torch.no_grad()
     def generate(
         self,
@@ -656,9 +772,13 @@ class SpeculativeDecoder:
         # extends over them lazily, when a round needs it (not after a turn's last round, nor
         # while it sleeps), from position draft_length
         pending, draft_length = None, length
+        if self.lookup is not None:
+            self.lookup.history = torch.cat([input_ids[0].cpu(), torch.tensor(output)])
         while len(output) < max_new_tokens and next_token not in eos:
             round_start, measured = self._clock(), stats.draft_seconds + stats.verify_seconds
             asleep = dormancy is not None and dormancy.sleeping()
+            if self.lookup is not None:
+                self.lookup.propose(output, prompt_length, awake=not asleep)
             if pending is not None and not asleep:
                 # the draft drops its draft-time entries and extends over the accepted paths
                 path, aux = pending
@@ -675,6 +795,8 @@ class SpeculativeDecoder:
                 if dormancy is not None:  # one unsure token's plain round is no reason to sleep
                     dormancy.woke(stats.depth_per_round[-1] or self._estimated_depth())
             length += len(new_tokens)
+            if self.lookup is not None:
+                self.lookup.learn(new_tokens)
             stats.verifications += 1
             stats.accepted_per_round.append(accepted)
             for token in new_tokens:
@@ -684,15 +806,7 @@ class SpeculativeDecoder:
             next_token = output[-1]
             pending = _joined(pending, (torch.tensor([new_tokens], device=self.device), aux))
             if self.auto and stats.verifications > 1 and not asleep:
-                # the time outside drafting and verification of a round the draft is awake
-                # for (its extension included: every such round but the first has one), a
-                # running average
-                other = (
-                    self._clock()
-                    - round_start
-                    - (stats.draft_seconds + stats.verify_seconds - measured)
-                )
-                self.costs.observe_other(other)
+                self._observe_other(round_start, measured, stats)
         stats.emitted = len(output) - 1  # the first token comes from the prefill
         stats.seconds = self._clock() - start_time
         return output[:max_new_tokens], stats

@@ -101,6 +101,27 @@ def test_prompt_lookup_through_the_engine_decodes_as_hf_generate(target, compile
     assert rounds < emitted  # some proposals were accepted
 
 
+def test_prompt_lookup_competing_with_the_draft_stays_lossless(target, compiled):
+    """Greedy ``auto`` with ``lookup_tokens``: a round verifies prompt lookup's tokens where
+    their measured acceptance promises more than the draft's; the output stays the target's,
+    and those rounds stay out of the draft's acceptance per position."""
+    _, draft = tiny_draft(seed=5)
+    decoder = SpeculativeDecoder(
+        target, draft, aux_layer_ids=AUX, num_steps="auto", lookup_tokens=4, engine=compiled
+    )
+    lookup_rounds = 0
+    for prompt in prompts(5, seed=2):
+        prompt = torch.cat([prompt, prompt], 1)
+        reference = greedy_reference(target, prompt, 60)[prompt.shape[1] :]
+        tokens, stats = decoder.generate(prompt, max_new_tokens=60)
+        assert tokens == reference
+        assert all(0 <= rate <= 1 for rate in stats.acceptance_per_position)
+        lookup_rounds += len(stats.lookup_rounds)
+    assert lookup_rounds > 0
+    with pytest.raises(UserError, match="lookup_tokens needs num_steps auto"):
+        SpeculativeDecoder(target, draft, aux_layer_ids=AUX, num_steps=3, lookup_tokens=4)
+
+
 def test_prompt_lookup_stops_at_an_end_token_and_at_the_budget(target, compiled):
     prompt = prompts(3, seed=4)[2]
     reference = greedy_reference(target, prompt, 30)[prompt.shape[1] :]

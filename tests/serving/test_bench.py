@@ -85,6 +85,7 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
     assert result["prompt_lookup_all_match"] is True and result["tau_prompt_lookup"] >= 1.0
     lookup = f"{result['speedup_prompt_lookup']:.2f}x (tau {result['tau_prompt_lookup']:.3f})"
     assert lookup in report
+    assert result["lookup_rounds"] == 0  # a fixed depth verifies the draft's tokens only
     progress = capsys.readouterr().err  # a sign of life: turns done, tokens/s, running tau
     assert "bench: 100%" in progress and "3/3" in progress and "tau=" in progress
 
@@ -108,6 +109,9 @@ def test_bench_auto_depth_reports_its_calibration_and_chosen_depths(tmp_path, pe
     report = (out / "bench.md").read_text()
     assert "calibration (num_steps auto)" in report and "the draft slept through" in report
     assert "rounds with siblings of the first token" in report
+    assert result["settings"]["auto_lookup"] == 7  # prompt lookup competes with the draft
+    assert 0 <= result["lookup_rounds"] <= rounds
+    assert f"(rounds that verified prompt lookup's tokens) | {result['lookup_rounds']} |" in report
 
 
 def test_question_sources(tmp_path):
