@@ -70,6 +70,15 @@ SAMPLED_ANSWER = re.compile(r"#s\d+$")
 """The id suffix of one of several answers to a prompt (``regenerate.num_samples``)."""
 
 
+def padded_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Per-conversation states ``(T_i, H)`` as one ``(B, length, H)`` tensor, zero past each
+    row's end: the states of a collated batch's rows."""
+    out = rows[0].new_zeros(len(rows), length, rows[0].shape[-1])
+    for index, row in enumerate(rows):
+        out[index, : len(row)] = row
+    return out
+
+
 def split_key(sample_id: str) -> str:
     """What decides a sample's split: its id, without the suffix of a sampled answer, so the
     answers to one prompt are held out together (one in training would leak the prompt)."""

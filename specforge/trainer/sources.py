@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from specforge.config import SpecForgeConfig
-from specforge.data.batching import Batch, StepBatches, collate
+from specforge.data.batching import Batch, StepBatches, collate, padded_rows
 from specforge.data.chat import (
     TokenizedSample,
     pad_id_of,
@@ -163,13 +163,9 @@ def attach_hidden_states(
 ) -> Batch:
     """Fill a collated batch's ``aux_hidden_states`` / ``last_hidden_state`` from the store."""
     aux_rows, last_rows = zip(*(store.hidden_states(s) for s in samples), strict=True)
-    batch_size, length = batch.input_ids.shape
-    aux = aux_rows[0].new_zeros(batch_size, length, aux_rows[0].shape[-1])
-    last = last_rows[0].new_zeros(batch_size, length, last_rows[0].shape[-1])
-    for row, (a, h) in enumerate(zip(aux_rows, last_rows, strict=True)):
-        aux[row, : len(a)] = a
-        last[row, : len(h)] = h
-    batch.aux_hidden_states, batch.last_hidden_state = aux, last
+    length = batch.input_ids.shape[1]
+    batch.aux_hidden_states = padded_rows(aux_rows, length)
+    batch.last_hidden_state = padded_rows(last_rows, length)
     return batch
 
 

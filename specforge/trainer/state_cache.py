@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specforge.data.batching import Batch
+from specforge.data.batching import Batch, padded_rows
 from specforge.data.chat import scored_positions
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,12 @@ class _Kept:
     """(M,) the positions the loss scores."""
     last: torch.Tensor
     """(M, Ht) the final hidden state there."""
+
+    def last_rows(self) -> torch.Tensor:
+        """(T, Ht) the final hidden state, zero where the loss does not read it (as the
+        offline store gives it)."""
+        rows = self.last.new_zeros(len(self.input_ids), self.last.shape[-1])
+        return rows.index_copy_(0, self.positions, self.last)
 
     @property
     def nbytes(self) -> int:
@@ -80,12 +86,9 @@ class TargetStateCache:
         if not kept or any(k is None for k in kept):
             self.misses += 1
             return None
-        batch_size, length = batch.input_ids.shape
-        aux = kept[0].aux.new_zeros(batch_size, length, kept[0].aux.shape[-1])
-        last = kept[0].last.new_zeros(batch_size, length, kept[0].last.shape[-1])
-        for row, k in enumerate(kept):
-            aux[row, : len(k.input_ids)] = k.aux
-            last[row, k.positions] = k.last
+        length = batch.input_ids.shape[1]
+        aux = padded_rows([k.aux for k in kept], length)
+        last = padded_rows([k.last_rows() for k in kept], length)
         self.hits += 1
         device = batch.input_ids.device
         return aux.to(device), last.to(device)
