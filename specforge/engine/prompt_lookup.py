@@ -55,9 +55,9 @@ def prompt_lookup_generate(
     cache = engine.new_cache(input_ids.shape[1] + max_new_tokens + num_tokens)
     logits, _ = engine.forward(input_ids, cache, logits_to_keep=1)
     output = [int(logits[-1].argmax())]
-    sequence = torch.cat([input_ids[0].cpu(), torch.tensor(output)])
-    rounds = 0
+    prompt, rounds = input_ids[0].cpu(), 0
     while len(output) < max_new_tokens and output[-1] not in eos_token_ids:
+        sequence = torch.cat([prompt, torch.tensor(output)])
         # proposals past the budget could never be emitted: the bonus token ends the turn
         room = max_new_tokens - len(output) - 1
         proposal = ngram_candidates(sequence, num_tokens=min(num_tokens, room), max_ngram=max_ngram)
@@ -74,5 +74,4 @@ def prompt_lookup_generate(
             output.append(token)
             if token in eos_token_ids or len(output) >= max_new_tokens:
                 break
-        sequence = torch.cat([sequence, torch.tensor(output[len(sequence) - input_ids.shape[1] :])])
     return output, rounds

@@ -216,22 +216,20 @@ class PromptLookup:
     estimate: AcceptanceEstimate = field(init=False)
     """Running acceptance per position of the proposals, learnt from every round's emitted
     tokens, verified or not."""
-    history: torch.Tensor | None = None
-    """The sequence so far, prompt and output (on the CPU)."""
     proposal: torch.Tensor | None = None
-    """This round's proposal after :attr:`history` (``None``: none)."""
+    """This round's proposal (``None``: none)."""
 
     def __post_init__(self) -> None:
         self.estimate = AcceptanceEstimate(self.tokens)
 
-    def propose(self, output: list[int], prompt_length: int, *, awake: bool) -> None:
-        """This round's :attr:`proposal` from :attr:`history` (first grown by the ``output``
-        tokens it lacks): ``None`` while the draft sleeps or when no earlier n-gram matches."""
-        known = len(self.history) - prompt_length
-        if known < len(output):
-            self.history = torch.cat([self.history, torch.tensor(output[known:])])
-        proposal = ngram_candidates(self.history, num_tokens=self.tokens) if awake else None
-        self.proposal = proposal if proposal is not None and len(proposal) else None
+    def propose(self, prompt: torch.Tensor, output: list[int], *, awake: bool) -> None:
+        """This round's :attr:`proposal` after ``prompt`` (T,) and ``output``: ``None`` while
+        the draft sleeps or when no earlier n-gram matches."""
+        self.proposal = None
+        if awake:
+            sequence = torch.cat([prompt.cpu(), torch.tensor(output)])
+            proposal = ngram_candidates(sequence, num_tokens=self.tokens)
+            self.proposal = proposal if len(proposal) else None
 
     def learn(self, emitted: list[int]) -> None:
         """The estimates after a round, from its emitted tokens (the target's own, whatever
@@ -772,13 +770,11 @@ class SpeculativeDecoder:
         # extends over them lazily, when a round needs it (not after a turn's last round, nor
         # while it sleeps), from position draft_length
         pending, draft_length = None, length
-        if self.lookup is not None:
-            self.lookup.history = torch.cat([input_ids[0].cpu(), torch.tensor(output)])
         while len(output) < max_new_tokens and next_token not in eos:
             round_start, measured = self._clock(), stats.draft_seconds + stats.verify_seconds
             asleep = dormancy is not None and dormancy.sleeping()
             if self.lookup is not None:
-                self.lookup.propose(output, prompt_length, awake=not asleep)
+                self.lookup.propose(input_ids[0], output, awake=not asleep)
             if pending is not None and not asleep:
                 # the draft drops its draft-time entries and extends over the accepted paths
                 path, aux = pending
