@@ -33,7 +33,8 @@ Stages, in order of what a short lease should get first:
    resulting MT-Bench ``tau``.
 
 A stage that fails or runs out of time is recorded and the next one runs. Stages without their
-input (no ``--draft`` for 1, no ``--data`` for 4) are skipped.
+input (no ``--draft`` for 0 and 1, no ``--data`` for 4) are skipped; ``--only`` names the stages
+to run when a lease is too short for all of them.
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ def stages(args) -> list[tuple[str, list[str], float]]:
             (
                 "train",
                 [py, "benchmarks/train_throughput.py", "--config", args.recipe]
-                + ["--batch-tokens", str(args.batch_tokens)]
+                + ["--batch-tokens", str(args.batch_tokens), "--steps", "20", "--warmup", "5"]
+                + ["--only", f"{args.batch_tokens} tokens, eager"]
+                + [f"{args.batch_tokens} tokens, compiled"]
                 + ["--output", str(out / "train_throughput.json")]
                 + [f"target.device={args.device}", f"train.data_path={args.data}"],
                 args.seconds[2],
@@ -161,12 +164,22 @@ def main() -> None:
     )
     parser.add_argument("--quickstart-minutes", type=float, default=0, help="0: no stage 5")
     parser.add_argument("--device", default="cuda", help="where the target runs")
+    parser.add_argument(
+        "--only", nargs="+", metavar="STAGE", help="run these stages alone (default: every one)"
+    )
     parser.add_argument("--output", default="outputs/cuda")
     args = parser.parse_args()
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
+    runs = stages(args)
+    known = [name for name, _, _ in runs]
+    unknown = sorted(set(args.only or []) - set(known))
+    if unknown:
+        parser.error(f"unknown stages {unknown}; this run has {known}")
     summary = []
-    for name, command, seconds in stages(args):
+    for name, command, seconds in runs:
+        if args.only and name not in args.only:
+            continue
         log = out / f"{name.replace(' ', '_')}.log"
         start = time.perf_counter()
         with log.open("w") as sink:

@@ -35,12 +35,13 @@ WARM_UP_PROMPT = "Write a haiku about the sea."
 
 def warm_up_seconds(target: str, device: str, cache_dir: str) -> float:
     """Seconds a fresh process takes to build the compiled engine and decode a short prompt
-    with compile cache ``cache_dir`` (a subprocess, so nothing is cached in memory)."""
+    with compile cache ``cache_dir`` (a subprocess, so nothing is cached in memory; its errors
+    go to this process's stderr)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     done = subprocess.run(
         [sys.executable, __file__, "--warm-up-only", "--target", target, "--device", device],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
         text=True,
         check=True,
     )

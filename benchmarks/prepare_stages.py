@@ -37,13 +37,13 @@ from typing import NamedTuple
 import torch
 
 from specforge.config import RegenerateConfig, SynthesizeConfig, TargetConfig
-from specforge.data import generation
 from specforge.data.chat import end_of_turn_ids, tokenize_conversations
 from specforge.data.conversations import Conversation
 from specforge.data.prompts import builtin_conversations
 from specforge.data.vocab import build_vocab_map, count_token_frequencies
 from specforge.distill.regenerate import regenerate_conversations
 from specforge.distill.synthesize import synthesize_conversations
+from specforge.engine import generation
 from specforge.engine.decode_kernel import load_decode_kernel
 from specforge.engine.generation import CPU_ROWS_PER_SPAN, default_rows_per_span
 from specforge.io import read_jsonl

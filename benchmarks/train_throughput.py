@@ -158,11 +158,20 @@ def main() -> None:
             command = [sys.executable, __file__, "--variant", name, "--output", str(child)]
             command += ["--config", args.config, "--steps", str(args.steps)]
             command += ["--warmup", str(args.warmup), "--batch-tokens", str(args.batch_tokens)]
-            subprocess.run([*command, *args.overrides], check=True)
-            rows[name] = json.loads(child.read_text())
-    first = next(iter(rows))
-    figures = {f"{name} tokens/s": row["tokens_per_s"] for name, row in rows.items()}
-    figures.update({f"{name} tokens a step": row["tokens_per_step"] for name, row in rows.items()})
+            code = subprocess.run([*command, *args.overrides]).returncode
+            # a variant that fails (its log above) is recorded; the others still run
+            rows[name] = json.loads(child.read_text()) if code == 0 else {"returncode": code}
+    measured = {name: row for name, row in rows.items() if "returncode" not in row}
+    if not measured:
+        raise SystemExit(f"every variant failed: {rows}")
+    first = next(iter(measured))
+    figures = {f"{name} tokens/s": row["tokens_per_s"] for name, row in measured.items()}
+    figures.update(
+        {f"{name} tokens a step": row["tokens_per_step"] for name, row in measured.items()}
+    )
+    figures.update(
+        {f"{name} failed": row["returncode"] for name, row in rows.items() if name not in measured}
+    )
     write_result(
         args.output,
         {
@@ -186,7 +195,7 @@ def main() -> None:
     )
     print("\n| variant | tokens/s | tokens a step | first window s | peak RSS MB |")
     print("|---|---:|---:|---:|---:|")
-    for name, row in rows.items():
+    for name, row in measured.items():
         print(
             f"| {name} | {row['tokens_per_s']} | {row['tokens_per_step']} | "
             f"{row['first_window_s']} | {row['peak_rss_mb']} |"

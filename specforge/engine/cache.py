@@ -40,12 +40,9 @@ class SlotKVLayer(CacheLayerMixin):
             torch._dynamo.mark_static_address(self.values)
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def update(self, key_states, value_states, slots: torch.Tensor, span: int):
         """Write ``key_states``/``value_states`` (B, H_kv, T, D) at ``slots`` (T,) and return the
-        first ``key_span`` slots of the buffers (both passed by the engine's forward, which HF's
-        attention hands on as ``kwargs``)."""
-        options = kwargs.get("kwargs") or kwargs
-        slots, span = options["slots"], options["key_span"]
+        first ``span`` slots of the buffers."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.keys.index_copy_(2, slots, key_states)
@@ -70,6 +67,23 @@ class SlotKVCache(Cache):
         super().__init__(layers=[SlotKVLayer(capacity) for _ in range(num_layers)])
         self.capacity = capacity
         self.length = 0
+        self.slots: torch.Tensor | None = None
+        """Where the forward in progress writes (T,), set by :meth:`write_at`."""
+        self.key_span = 0
+        """How many slots the forward in progress reads."""
+
+    def write_at(self, slots: torch.Tensor, key_span: int) -> None:
+        """Name the slots the next forward writes and the span it reads. The engine sets them
+        on the cache, not as keyword arguments of the layers: transformers hands a layer's
+        extra arguments to ``Cache.update`` only from some 5.x releases on."""
+        self.slots, self.key_span = slots, key_span
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Layer ``layer_idx``'s keys and values at the slots :meth:`write_at` named (what
+        transformers passes beside them is not needed)."""
+        if self.slots is None:
+            raise RuntimeError("SlotKVCache.update before write_at named the slots")
+        return self.layers[layer_idx].update(key_states, value_states, self.slots, self.key_span)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length

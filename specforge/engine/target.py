@@ -7,8 +7,8 @@ rounded up to a multiple of :data:`SPAN_STEP`) are the only sizes that vary; the
 compiled with both dynamic, so decoding needs at most two graphs (one token, several tokens);
 a new cache's first forward (the prompt, of any length) runs eagerly and allocates the
 cache's buffers, and a key span past the capacity is an error, never a new allocation. On a CUDA
-device it is compiled with CUDA graphs (``mode="reduce-overhead"``: one graph per shape,
-replayed).
+device it is compiled with CUDA graphs (what ``mode="reduce-overhead"`` sets: one graph per
+shape, replayed).
 
 :class:`TargetEngine` checks itself before it serves: at construction its layer loop runs once
 beside the model's own forward on a short input, and a target whose decoder does more than the
@@ -29,6 +29,7 @@ from specforge.config import resolve_engine_compile
 from specforge.engine.cache import SlotKVCache
 from specforge.errors import UserError
 from specforge.models.adapter import architecture, check_logits, find_decoder, text_config
+from specforge.models.compiling import inductor_options
 from specforge.models.kv_cache import cache_kwargs, growing_cache
 from specforge.models.target import GROUPED_SDPA, check_aux_layer_ids, target_hidden_states
 
@@ -126,8 +127,8 @@ class TargetEngine:
             raise UserError(f"the compiled engine cannot run this target: {refusal}")
         self._run = self._layers
         if compile:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
-            self._run = torch.compile(self._layers, dynamic=True, fullgraph=True, mode=mode)
+            options = inductor_options(self.device, cudagraphs=True)
+            self._run = torch.compile(self._layers, dynamic=True, fullgraph=True, options=options)
 
     def new_cache(self, capacity: int) -> SlotKVCache:
         """An empty cache for one sequence of at most ``capacity`` tokens (rounded up to a
@@ -140,6 +141,7 @@ class TargetEngine:
         hidden states (1, T, H) and the aux layers' outputs (1, T, 3 * H)."""
         hidden = self.decoder.embed_tokens(input_ids)
         position_embeddings = self.decoder.rotary_emb(hidden, position_ids=positions)
+        cache.write_at(slots, mask.shape[-1])
         captured = []
         for index, layer in enumerate(self.layers):
             hidden = layer(
@@ -149,8 +151,6 @@ class TargetEngine:
                 position_ids=positions,
                 use_cache=True,
                 **{self._cache_keyword: cache},
-                slots=slots,  # the cache's options, handed on by HF's attention
-                key_span=mask.shape[-1],
             )
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
             captured += [hidden] * self.aux_layer_ids.count(index)

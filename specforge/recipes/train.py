@@ -36,6 +36,7 @@ from specforge.data.vocab import save_vocab_map, vocab_map_from_samples
 from specforge.distributed import Distributed, setup_distributed
 from specforge.errors import UserError
 from specforge.models.adapter import config_value
+from specforge.models.compiling import inductor_options
 from specforge.models.eagle3 import (
     Eagle3Config,
     Eagle3DraftModel,
@@ -240,7 +241,8 @@ def compile_ttt_step(draft: Eagle3DraftModel) -> None:
     """Run ``draft``'s TTT step through ``torch.compile`` (``train.compile``): one graph per
     unrolled step (each reads one more step's keys), lengths and rows dynamic; the weights,
     their gradients and the checkpoints are the module's own."""
-    draft.ttt_step = torch.compile(draft.ttt_step, dynamic=True)
+    device = next(draft.parameters()).device
+    draft.ttt_step = torch.compile(draft.ttt_step, dynamic=True, options=inductor_options(device))
 
 
 def samples_sha256(samples: list[TokenizedSample]) -> str:

@@ -154,7 +154,11 @@ def test_ngram_candidates_follow_transformers_prompt_lookup():
 def test_the_cache_is_written_by_slot_and_gathers_a_path():
     cache = SlotKVCache(num_layers=1, capacity=8)
     keys = torch.arange(5.0).reshape(1, 1, 5, 1)
-    cache.layers[0].update(keys, keys + 10, kwargs={"slots": torch.arange(5), "key_span": 8})
+    with pytest.raises(RuntimeError, match="before write_at"):
+        cache.update(keys, keys, 0)
+    cache.write_at(torch.arange(5), 8)
+    written, _ = cache.update(keys, keys + 10, 0)
+    assert written.shape[2] == 8  # the span the forward reads
     cache.length = 5
     gather_cache(cache, 2, [0, 2])  # keep slots 0, 1, then 2 and 4 (then crop)
     assert cache.length == 4
