@@ -1,11 +1,13 @@
 """A KV cache preallocated once and written by slot (DESIGN §7.1).
 
 Each layer holds ``(rows, kv_heads, capacity, head_dim)`` key and value buffers. A forward writes
-its new tokens' keys and values at the slots the engine names (``slots``, passed down to the
-cache by the model's attention) and reads the first ``key_span`` slots, a size taken from a short
+its new tokens' keys and values at the slots the engine names on the cache
+(:meth:`SlotKVCache.write_at`) and reads the first ``key_span`` slots, a size taken from a short
 list of buckets, so a compiled forward sees few shapes. What the cache holds is a length: a crop
 moves it, a tree's accepted path is moved into place by :func:`gather_cache` (as in any
-HF cache, then cropped), and nothing is reallocated while a sequence lives.
+HF cache, then cropped), and nothing is reallocated while a sequence lives. The caches of one
+engine take their buffers from its :class:`SlotKVPool` in turn, so every sequence writes to the
+same addresses (what a CUDA graph replays over).
 """
 
 from __future__ import annotations
@@ -16,28 +18,59 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from specforge.models.eagle3 import DraftKVCache
 
 
+class SlotKVPool:
+    """The buffers of one engine's caches, one sequence at a time: a cache's first forward takes
+    the buffers the previous cache wrote (zeroed) when they are large enough, so a CUDA graph
+    recorded over them replays for every later sequence instead of being recorded again at new
+    addresses; larger ones are allocated only when a sequence needs more slots. Each take is a
+    new lease, and a cache whose buffers a newer cache took refuses to run
+    (:meth:`SlotKVCache.check_lease`): two live sequences never share slots."""
+
+    def __init__(self):
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lease = 0
+
+    def take(self, layer: int, like: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed key and value buffers ``(B, H_kv, >= slots, D)`` for ``layer``, shaped and
+        typed like ``like`` (its keys), reused when the pool's fit."""
+        shape = (*like.shape[:2], slots, like.shape[-1])
+        held = self.buffers.get(layer)
+        if held is not None:
+            keys, values = held
+            if (
+                keys.shape[:2] == shape[:2]
+                and keys.shape[3] == shape[3]
+                and keys.shape[2] >= slots
+                and (keys.dtype, keys.device) == (like.dtype, like.device)
+            ):
+                # zeros: a slot never written is masked, never NaN (NaN * 0 is NaN)
+                return keys.zero_(), values.zero_()
+        keys, values = like.new_zeros(shape), like.new_zeros(shape)
+        if keys.is_cuda and not torch.compiler.is_compiling():
+            # buffers at fixed addresses, written in place: what a CUDA graph replays over
+            # (not on a CPU, where it would make each new cache's buffers a guard)
+            torch._dynamo.mark_static_address(keys)
+            torch._dynamo.mark_static_address(values)
+        self.buffers[layer] = keys, values
+        return keys, values
+
+
 class SlotKVLayer(CacheLayerMixin):
     """One layer's preallocated keys and values, written at the slots a forward names."""
 
     is_compileable = True
     is_croppable = True
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, pool: SlotKVPool, index: int):
         super().__init__()
         self.capacity = capacity
+        self.pool, self.index = pool, index
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        # (B, H_kv, capacity + 1, D) each, zeros: a slot never written is masked, never NaN;
-        # the spare last slot is never read, so every span is a strict prefix of the buffers
-        # (a compiled read of all of them would be another graph)
-        shape = (*key_states.shape[:2], self.capacity + 1)
-        self.keys = key_states.new_zeros(*shape, key_states.shape[-1])
-        self.values = value_states.new_zeros(*shape, value_states.shape[-1])
-        if self.keys.is_cuda and not torch.compiler.is_compiling():
-            # buffers at fixed addresses, written in place: what a CUDA graph replays over
-            # (not on a CPU, where it would make each new cache's buffers a guard)
-            torch._dynamo.mark_static_address(self.keys)
-            torch._dynamo.mark_static_address(self.values)
+        # (B, H_kv, capacity + 1 or more, D) each, from the pool: the spare last slot is never
+        # read, so every span is a strict prefix of the buffers (a compiled read of all of them
+        # would be another graph)
+        self.keys, self.values = self.pool.take(self.index, key_states, self.capacity + 1)
         self.is_initialized = True
 
     def update(self, key_states, value_states, slots: torch.Tensor, span: int):
@@ -63,10 +96,13 @@ class SlotKVCache(Cache):
     """A preallocated HF cache of ``num_layers`` :class:`SlotKVLayer` layers holding ``length``
     positions in slots ``0 .. length - 1``; slots past ``length`` are free (masked)."""
 
-    def __init__(self, num_layers: int, capacity: int):
-        super().__init__(layers=[SlotKVLayer(capacity) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, capacity: int, pool: SlotKVPool | None = None):
+        self.pool = SlotKVPool() if pool is None else pool
+        super().__init__(layers=[SlotKVLayer(capacity, self.pool, i) for i in range(num_layers)])
         self.capacity = capacity
         self.length = 0
+        self.lease: int | None = None
+        """The pool's lease this cache's buffers were taken under (at its first forward)."""
         self.slots: torch.Tensor | None = None
         """Where the forward in progress writes (T,), set by :meth:`write_at`."""
         self.key_span = 0
@@ -90,8 +126,24 @@ class SlotKVCache(Cache):
 
     @property
     def allocated(self) -> bool:
-        """Whether a forward has allocated the buffers (the first one does)."""
+        """Whether a forward has taken the buffers (the first one does)."""
         return self.layers[0].is_initialized
+
+    def check_lease(self) -> None:
+        """Before a forward: a new cache takes a new lease of the pool's buffers; one whose
+        buffers a newer cache took raises.
+
+        Raises:
+            RuntimeError: a newer cache of the same pool has taken the buffers.
+        """
+        if self.lease is None:
+            self.pool.lease += 1
+            self.lease = self.pool.lease
+        elif self.lease != self.pool.lease:
+            raise RuntimeError(
+                "this cache's buffers were taken by a newer cache of the same engine: one "
+                "sequence at a time per engine"
+            )
 
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` positions (HF's convention: a negative count drops that
@@ -113,6 +165,8 @@ def gather_cache(cache, prefix: int, rows: list[int]) -> None:
     """Keep the first ``prefix`` positions of every layer of an HF cache and, after them,
     positions ``prefix + r`` for ``r`` in ``rows`` (increasing); the rest is dropped. Rows
     already in their slot stay; the others move into place, then the cache is cropped."""
+    if isinstance(cache, SlotKVCache):
+        cache.check_lease()
     moved = next((slot for slot, row in enumerate(rows) if row != slot), len(rows))
     end = prefix + len(rows)
     if moved < len(rows):

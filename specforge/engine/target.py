@@ -5,10 +5,11 @@ one function that ``torch.compile`` can capture whole (no hooks, no context stat
 Shapes are a budget. A forward's token count ``T`` and key span (the cache slots it reads,
 rounded up to a multiple of :data:`SPAN_STEP`) are the only sizes that vary; the function is
 compiled with both dynamic, so decoding needs at most two graphs (one token, several tokens);
-a new cache's first forward (the prompt, of any length) runs eagerly and allocates the
-cache's buffers, and a key span past the capacity is an error, never a new allocation. On a CUDA
-device it is compiled with CUDA graphs (what ``mode="reduce-overhead"`` sets: one graph per
-shape, replayed).
+a new cache's first forward (the prompt, of any length) runs eagerly and takes the engine's
+buffers (the previous sequence's, zeroed, when they are large enough: a CUDA graph then replays
+at the same addresses), and a key span past the capacity is an error, never a new allocation.
+On a CUDA device it is compiled with CUDA graphs (what ``mode="reduce-overhead"`` sets: one
+graph per shape, replayed).
 
 :class:`TargetEngine` checks itself before it serves: at construction its layer loop runs once
 beside the model's own forward on a short input, and a target whose decoder does more than the
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from specforge.config import resolve_engine_compile
-from specforge.engine.cache import SlotKVCache
+from specforge.engine.cache import SlotKVCache, SlotKVPool
 from specforge.errors import UserError
 from specforge.models.adapter import architecture, check_logits, find_decoder, text_config
 from specforge.models.compiling import inductor_options
@@ -122,6 +123,7 @@ class TargetEngine:
         self.device = next(model.parameters()).device
         self._cache_keyword = next(iter(cache_kwargs(self.layers[0], None)))
         self.stats = EngineStats(compiled=compile)
+        self._pool = SlotKVPool()
         refusal = attention_refusal(model) or window_refusal(model) or self.refusal()
         if refusal:
             raise UserError(f"the compiled engine cannot run this target: {refusal}")
@@ -132,8 +134,10 @@ class TargetEngine:
 
     def new_cache(self, capacity: int) -> SlotKVCache:
         """An empty cache for one sequence of at most ``capacity`` tokens (rounded up to a
-        multiple of :data:`SPAN_STEP`, so every span is a bucket)."""
-        return SlotKVCache(len(self.layers), -(-capacity // SPAN_STEP) * SPAN_STEP)
+        multiple of :data:`SPAN_STEP`, so every span is a bucket). Its first forward takes the
+        engine's buffers (:class:`~specforge.engine.cache.SlotKVPool`): from then on the caches
+        made before it refuse to run."""
+        return SlotKVCache(len(self.layers), -(-capacity // SPAN_STEP) * SPAN_STEP, self._pool)
 
     def _layers(self, input_ids, positions, slots, mask, cache):
         """The decoder's plain loop (what ``torch.compile`` captures): embeddings, rotary
@@ -187,6 +191,7 @@ class TargetEngine:
         end = start + count
         if end > cache.capacity:
             raise ValueError(f"{end} tokens exceed the cache's capacity of {cache.capacity}")
+        cache.check_lease()
         span = key_span(end, cache.capacity)
         slots = torch.arange(start, end, device=self.device)
         # fresh tensors, never views: a view's base is guarded too, so inputs that are views of
@@ -202,8 +207,13 @@ class TargetEngine:
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         began = time.perf_counter()
         # a new cache's first forward (the prompt) runs eagerly: it allocates the buffers
+        replayed = cache.allocated and self.stats.compiled and self.device.type == "cuda"
         run = self._run if cache.allocated else self._layers
         hidden, aux = run(input_ids, positions, slots, mask[None, None], cache)
+        if replayed:
+            # a CUDA graph's outputs live in its pool and the next replay overwrites them;
+            # the caller keeps the aux states across forwards (the logits below are new)
+            aux = aux.clone()
         built = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
         if built:
             self.stats.compilations += built

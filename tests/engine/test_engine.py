@@ -176,6 +176,31 @@ def test_a_forward_past_the_capacity_is_an_error(target):
         engine.forward(torch.zeros(1, 257, dtype=torch.long), cache)
 
 
+def test_sequences_take_the_engine_buffers_in_turn(target):
+    """Every sequence writes to the same buffers (what a CUDA graph replays over), a longer one
+    to larger ones, and a cache whose buffers a newer one took refuses to run, rather than
+    reading another sequence's keys."""
+    engine = TargetEngine(target, aux_layer_ids=AUX, compile=False)
+    short, longer = prompts(2)
+    first = engine.new_cache(20)
+    engine.forward(short, first)
+    address = first.layers[0].keys.data_ptr()
+    second = engine.new_cache(20)
+    logits, _ = engine.forward(short, second)
+    assert second.layers[0].keys.data_ptr() == address
+    with pytest.raises(RuntimeError, match="taken by a newer cache"):
+        engine.forward(short[:, :1], first)
+    with pytest.raises(RuntimeError, match="taken by a newer cache"):
+        gather_cache(first, 1, [0])
+    # the reused buffers start from zeros: the same logits as a fresh engine's
+    fresh = TargetEngine(target, aux_layer_ids=AUX, compile=False)
+    assert torch.equal(logits, fresh.forward(short, fresh.new_cache(20))[0])
+    third = engine.new_cache(SPAN_STEP + 1)  # more slots than the buffers hold
+    engine.forward(longer, third)
+    assert third.layers[0].keys.shape[2] == 2 * SPAN_STEP + 1
+    assert engine.generate(longer, max_new_tokens=5) == fresh.generate(longer, max_new_tokens=5)
+
+
 def test_a_target_that_is_not_the_plain_loop_is_refused(target):
     """A decoder that scales its embeddings inside its own forward (as Gemma's do) is not what
     the engine's loop runs: refused, not served with other outputs."""
