@@ -206,7 +206,7 @@ class TargetEngine:
         mask[:, start:end] = visible
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         began = time.perf_counter()
-        # a new cache's first forward (the prompt) runs eagerly: it allocates the buffers
+        # a new cache's first forward (the prompt) runs eagerly: it takes the buffers
         replayed = cache.allocated and self.stats.compiled and self.device.type == "cuda"
         run = self._run if cache.allocated else self._layers
         hidden, aux = run(input_ids, positions, slots, mask[None, None], cache)
