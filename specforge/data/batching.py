@@ -70,12 +70,16 @@ SAMPLED_ANSWER = re.compile(r"#s\d+$")
 """The id suffix of one of several answers to a prompt (``regenerate.num_samples``)."""
 
 
-def padded_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
-    """Per-conversation states ``(T_i, H)`` as one ``(B, length, H)`` tensor, zero past each
-    row's end: the states of a collated batch's rows."""
+def padded_rows(
+    rows: list[torch.Tensor], length: int, positions: list[torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Per-conversation states ``(T_i, H)`` as one ``(B, length, H)`` tensor, zero elsewhere:
+    the states of a collated batch's rows, each row's at its first ``T_i`` positions or, with
+    ``positions``, at those (``(T_i,)`` each: states kept only where the loss reads them)."""
     out = rows[0].new_zeros(len(rows), length, rows[0].shape[-1])
     for index, row in enumerate(rows):
-        out[index, : len(row)] = row
+        where = slice(len(row)) if positions is None else positions[index]
+        out[index, where] = row
     return out
 
 

@@ -44,12 +44,6 @@ class _Kept:
     last: torch.Tensor
     """(M, Ht) the final hidden state there."""
 
-    def last_rows(self) -> torch.Tensor:
-        """(T, Ht) the final hidden state, zero where the loss does not read it (as the
-        offline store gives it)."""
-        rows = self.last.new_zeros(len(self.input_ids), self.last.shape[-1])
-        return rows.index_copy_(0, self.positions, self.last)
-
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.input_ids, self.aux, self.positions, self.last))
@@ -88,7 +82,9 @@ class TargetStateCache:
             return None
         length = batch.input_ids.shape[1]
         aux = padded_rows([k.aux for k in kept], length)
-        last = padded_rows([k.last_rows() for k in kept], length)
+        # the final states at the positions the loss reads, zero elsewhere (as the offline
+        # store gives them)
+        last = padded_rows([k.last for k in kept], length, [k.positions for k in kept])
         self.hits += 1
         device = batch.input_ids.device
         return aux.to(device), last.to(device)
