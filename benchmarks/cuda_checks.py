@@ -28,8 +28,8 @@ Stages, in order of what a short lease should get first:
    costs);
 5. ``gpu recipe`` (with ``--quickstart-minutes``): ``specforge quickstart`` of
    ``configs/smollm2-135m-eagle3-gpu.yaml`` within that budget (its prompts written 4000 at a
-   time and answered with ``regenerate.batch_size: auto``, training on 16k-token micro-batches,
-   compiled): each stage's tokens/s (``conversations.stats.json``, ``metrics.jsonl``) and the
+   time and answered with ``regenerate.batch_size: auto``, training on 16k-token
+   micro-batches): each stage's tokens/s (``conversations.stats.json``, ``metrics.jsonl``) and the
    resulting MT-Bench ``tau``.
 
 A stage that fails or runs out of time is recorded and the next one runs. Stages without their
@@ -61,7 +61,7 @@ def stages(args) -> list[tuple[str, list[str], float]]:
                 "engine",
                 [py, "benchmarks/engine_speedup.py", "--draft", args.draft, "--device"]
                 + [args.device, "--questions", args.questions, "--limit", str(args.limit)]
-                + ["--eager-limit", str(args.limit), "--output", str(out / "engine_speedup")],
+                + ["--eager-limit", str(args.eager_limit), "--output", str(out / "engine_speedup")],
                 args.seconds[0],
             )
         )
@@ -148,6 +148,9 @@ def main() -> None:
     parser.add_argument("--draft", help="an export directory (stage 1)")
     parser.add_argument("--questions", default="builtin-eval")
     parser.add_argument("--limit", type=int, default=5, help="questions for stages 1 and 5")
+    parser.add_argument(
+        "--eager-limit", type=int, default=2, help="first turns timed eagerly in stage 0"
+    )
     parser.add_argument("--data", help="prepared conversations (stage 4)")
     parser.add_argument("--recipe", default="configs/smollm2-135m-eagle3-long.yaml")
     parser.add_argument("--regenerate-prompts", type=int, default=128)

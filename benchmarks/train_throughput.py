@@ -125,45 +125,12 @@ def measure(args, name: str, overrides: list[str]) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/smollm2-135m-eagle3.yaml")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--batch-tokens", type=int, default=2048)
-    parser.add_argument("--only", nargs="*", help="variant names (default: all)")
-    parser.add_argument("--output", default="outputs/bench/train_throughput.json")
-    parser.add_argument("--variant", help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="dotted config overrides")
-    args = parser.parse_args()
-    if args.steps < 4 * args.warmup or args.steps % (2 * args.warmup):
-        parser.error(
-            f"--steps ({args.steps}) must be a multiple of twice --warmup ({args.warmup}), "
-            "at least four times it (two passes of two windows or more)"
-        )
-    table = variants(args.batch_tokens)
-    if args.variant:  # a child process: one variant, its figures to --output
-        write_json_atomic(Path(args.output), measure(args, args.variant, table[args.variant]))
-        return
-    base = load_config(args.config, args.overrides)
-    data = base.train.data_path or str(base.conversations_path)
-    if not Path(data).exists():
-        raise SystemExit(f"{data} is missing: run `specforge prepare --config {args.config}`")
-    rows = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        for name in args.only or table:
-            if name not in table:
-                parser.error(f"unknown variant {name!r}; choose from {list(table)}")
-            child = Path(scratch) / "variant.json"
-            command = [sys.executable, __file__, "--variant", name, "--output", str(child)]
-            command += ["--config", args.config, "--steps", str(args.steps)]
-            command += ["--warmup", str(args.warmup), "--batch-tokens", str(args.batch_tokens)]
-            code = subprocess.run([*command, *args.overrides]).returncode
-            # a variant that fails (its log above) is recorded; the others still run
-            rows[name] = json.loads(child.read_text()) if code == 0 else {"returncode": code}
+def write_rows(args, base, rows: dict) -> dict:
+    """Write the variants run so far (after each one, so a run cut short keeps what it
+    measured); returns the measured ones (none: nothing is written)."""
     measured = {name: row for name, row in rows.items() if "returncode" not in row}
     if not measured:
-        raise SystemExit(f"every variant failed: {rows}")
+        return measured
     first = next(iter(measured))
     figures = {f"{name} tokens/s": row["tokens_per_s"] for name, row in measured.items()}
     figures.update(
@@ -193,6 +160,50 @@ def main() -> None:
             "figures": figures,
         },
     )
+    return measured
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/smollm2-135m-eagle3.yaml")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--batch-tokens", type=int, default=2048)
+    parser.add_argument("--only", nargs="*", help="variant names (default: all)")
+    parser.add_argument("--output", default="outputs/bench/train_throughput.json")
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides")
+    args = parser.parse_args()
+    if args.steps < 4 * args.warmup or args.steps % (2 * args.warmup):
+        parser.error(
+            f"--steps ({args.steps}) must be a multiple of twice --warmup ({args.warmup}), "
+            "at least four times it (two passes of two windows or more)"
+        )
+    table = variants(args.batch_tokens)
+    unknown = [name for name in args.only or [] if name not in table]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {list(table)}")
+    if args.variant:  # a child process: one variant, its figures to --output
+        write_json_atomic(Path(args.output), measure(args, args.variant, table[args.variant]))
+        return
+    base = load_config(args.config, args.overrides)
+    data = base.train.data_path or str(base.conversations_path)
+    if not Path(data).exists():
+        raise SystemExit(f"{data} is missing: run `specforge prepare --config {args.config}`")
+    rows = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in args.only or table:
+            child = Path(scratch) / "variant.json"
+            command = [sys.executable, __file__, "--variant", name, "--output", str(child)]
+            command += ["--config", args.config, "--steps", str(args.steps)]
+            command += ["--warmup", str(args.warmup), "--batch-tokens", str(args.batch_tokens)]
+            code = subprocess.run([*command, *args.overrides]).returncode
+            # a variant that fails (its log above) is recorded; the others still run
+            rows[name] = json.loads(child.read_text()) if code == 0 else {"returncode": code}
+            write_rows(args, base, rows)
+    measured = write_rows(args, base, rows)
+    if not measured:
+        raise SystemExit(f"every variant failed: {rows}")
     print("\n| variant | tokens/s | tokens a step | first window s | peak RSS MB |")
     print("|---|---:|---:|---:|---:|")
     for name, row in measured.items():

@@ -29,6 +29,8 @@ class SlotKVPool:
     def __init__(self):
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.lease = 0
+        self.generation = 0
+        """Counts the buffers allocated: what was recorded over older ones is stale."""
 
     def take(self, layer: int, like: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed key and value buffers ``(B, H_kv, >= slots, D)`` for ``layer``, shaped and
@@ -46,12 +48,8 @@ class SlotKVPool:
                 # zeros: a slot never written is masked, never NaN (NaN * 0 is NaN)
                 return keys.zero_(), values.zero_()
         keys, values = like.new_zeros(shape), like.new_zeros(shape)
-        if keys.is_cuda and not torch.compiler.is_compiling():
-            # buffers at fixed addresses, written in place: what a CUDA graph replays over
-            # (not on a CPU, where it would make each new cache's buffers a guard)
-            torch._dynamo.mark_static_address(keys)
-            torch._dynamo.mark_static_address(values)
         self.buffers[layer] = keys, values
+        self.generation += 1
         return keys, values
 
 
@@ -120,6 +118,11 @@ class SlotKVCache(Cache):
         if self.slots is None:
             raise RuntimeError("SlotKVCache.update before write_at named the slots")
         return self.layers[layer_idx].update(key_states, value_states, self.slots, self.key_span)
+
+    def append(self, key_states, value_states):
+        """A one-layer cache as the draft's attention writes it (the interface of
+        :class:`~specforge.models.eagle3.DraftKVCache`): layer 0's :meth:`update`."""
+        return self.update(key_states, value_states, 0)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length

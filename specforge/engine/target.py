@@ -8,8 +8,9 @@ compiled with both dynamic, so decoding needs at most two graphs (one token, sev
 a new cache's first forward (the prompt, of any length) runs eagerly and takes the engine's
 buffers (the previous sequence's, zeroed, when they are large enough: a CUDA graph then replays
 at the same addresses), and a key span past the capacity is an error, never a new allocation.
-On a CUDA device it is compiled with CUDA graphs (what ``mode="reduce-overhead"`` sets: one
-graph per shape, replayed).
+On a CUDA device "compiled" means CUDA graphs instead (:mod:`specforge.engine.graphs`): the
+eager loop captured once per token count and key span and replayed, which takes seconds where
+inductor took minutes.
 
 :class:`TargetEngine` checks itself before it serves: at construction its layer loop runs once
 beside the model's own forward on a short input, and a target whose decoder does more than the
@@ -28,9 +29,9 @@ from torch import nn
 
 from specforge.config import resolve_engine_compile
 from specforge.engine.cache import SlotKVCache, SlotKVPool
+from specforge.engine.graphs import CudaGraphs
 from specforge.errors import UserError
 from specforge.models.adapter import architecture, check_logits, find_decoder, text_config
-from specforge.models.compiling import inductor_options
 from specforge.models.kv_cache import cache_kwargs, growing_cache
 from specforge.models.target import GROUPED_SDPA, check_aux_layer_ids, target_hidden_states
 
@@ -84,7 +85,8 @@ class EngineStats:
     shapes: set[tuple[str, int]] = field(default_factory=set)
     """``("1" or "T", key span)`` of every forward run: the shapes the compiled function met."""
     compilations: int = 0
-    """Graphs the compiler built (dynamo's unique graphs while this engine ran)."""
+    """Graphs built: dynamo's unique graphs while this engine ran, or the CUDA graphs it
+    captured."""
     compile_seconds: float = 0.0
     """Wall time of forwards that compiled a graph (the warm-up a user waits for)."""
 
@@ -105,7 +107,8 @@ class TargetEngine:
     Args:
         model: an HF causal LM in eval mode (:func:`~specforge.models.target.load_target`).
         aux_layer_ids: the three decoder layers the draft reads.
-        compile: run the layer loop through ``torch.compile`` (both sizes dynamic).
+        compile: run the layer loop through ``torch.compile`` (both sizes dynamic), or on a
+            CUDA device as CUDA graphs (:class:`~specforge.engine.graphs.CudaGraphs`).
 
     Raises:
         UserError: a target the engine cannot run exactly (:meth:`refusal`).
@@ -128,9 +131,15 @@ class TargetEngine:
         if refusal:
             raise UserError(f"the compiled engine cannot run this target: {refusal}")
         self._run = self._layers
-        if compile:
-            options = inductor_options(self.device, cudagraphs=True)
-            self._run = torch.compile(self._layers, dynamic=True, fullgraph=True, options=options)
+        if compile and self.device.type == "cuda":
+            self._run = CudaGraphs(self._layers, self._pool)
+        elif compile:
+            self._run = torch.compile(self._layers, dynamic=True, fullgraph=True)
+
+    @property
+    def graphs(self) -> bool:
+        """Whether forwards replay CUDA graphs (compiled, on a CUDA device)."""
+        return isinstance(self._run, CudaGraphs)
 
     def new_cache(self, capacity: int) -> SlotKVCache:
         """An empty cache for one sequence of at most ``capacity`` tokens (rounded up to a
@@ -204,17 +213,17 @@ class TargetEngine:
         mask = torch.zeros(count, span, dtype=torch.bool, device=self.device)
         mask[:, :start] = True
         mask[:, start:end] = visible
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        graphs = self._graphs_built()
         began = time.perf_counter()
         # a new cache's first forward (the prompt) runs eagerly: it takes the buffers
         replayed = cache.allocated and self.stats.compiled and self.device.type == "cuda"
         run = self._run if cache.allocated else self._layers
-        hidden, aux = run(input_ids, positions, slots, mask[None, None], cache)
+        hidden, aux = run(input_ids, positions, slots, mask[None, None], cache=cache)
         if replayed:
             # a CUDA graph's outputs live in its pool and the next replay overwrites them;
             # the caller keeps the aux states across forwards (the logits below are new)
             aux = aux.clone()
-        built = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        built = self._graphs_built() - graphs
         if built:
             self.stats.compilations += built
             self.stats.compile_seconds += time.perf_counter() - began
@@ -222,6 +231,11 @@ class TargetEngine:
         cache.length = end
         rows = hidden[0, -logits_to_keep:]
         return self.transform(self.head(rows).float()), aux
+
+    def _graphs_built(self) -> int:
+        """Graphs compiled (dynamo's count, of this process) or captured (CUDA graphs)."""
+        captured = self._run.captures if self.graphs else 0
+        return torch._dynamo.utils.counters["stats"]["unique_graphs"] + captured
 
     @torch.no_grad()
     def refusal(self) -> str | None:

@@ -17,16 +17,12 @@ GPU_WORKAROUNDS = {"triton.coalesce_tiling_analysis": False, "loop_reindexing_af
 """Inductor options set on a GPU (those this torch has: each appeared in some release)."""
 
 
-def inductor_options(device: torch.device, *, cudagraphs: bool = False) -> dict[str, bool]:
+def inductor_options(device: torch.device) -> dict[str, bool]:
     """``torch.compile``'s ``options`` for code that runs on ``device``: on CUDA, the
-    workarounds above and, with ``cudagraphs``, CUDA graphs (what ``mode="reduce-overhead"``
-    sets; ``mode`` and ``options`` cannot be given together)."""
+    workarounds above."""
     if device.type != "cuda":
         return {}
     from torch._inductor import config
 
     known = config.get_config_copy()
-    options = {key: value for key, value in GPU_WORKAROUNDS.items() if key in known}
-    if cudagraphs:
-        options["triton.cudagraphs"] = True
-    return options
+    return {key: value for key, value in GPU_WORKAROUNDS.items() if key in known}

@@ -196,7 +196,10 @@ def grouped_sdpa_attention(
         if attention_mask is not None
         else query.dtype == torch.bfloat16
     )
-    packed = q_length == 1 and heads > kv_heads and shared
+    # the module's own head ratio where it has one: under a dynamic compile the shapes are
+    # symbolic, and SDPA's enable_gqa takes no symbolic bool
+    grouped = getattr(module, "num_key_value_groups", heads // kv_heads) > 1
+    packed = q_length == 1 and grouped and shared
     parts = []
     for start, end, columns in spans:
         mask = attention_mask
@@ -215,7 +218,7 @@ def grouped_sdpa_attention(
             dropout_p=dropout,
             scale=scaling,
             is_causal=is_causal,
-            enable_gqa=not packed and heads > kv_heads,
+            enable_gqa=not packed and grouped,
         )
         parts.append(out.reshape(len(out), heads, 1, out.shape[-1]) if packed else out)
     out = parts[0] if len(parts) == 1 else torch.cat(parts)

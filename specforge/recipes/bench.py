@@ -150,6 +150,8 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
     if comparison.engine is not None:
         engine = comparison.engine.stats.as_dict()
         result["engine"] = {**engine, "warm_up_seconds": round(warm_up_seconds, 1)}
+        if decoder.draft_engine is not None:  # the draft's CUDA graphs
+            result["engine"]["draft_graphs"] = decoder.draft_engine.captures
     else:
         result["engine"] = None
     write_report(result, cfg.bench_dir)

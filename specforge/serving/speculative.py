@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specforge.config import AUTO_MAX_DEPTH
-from specforge.engine.cache import crop_cache, gather_cache
+from specforge.engine.cache import SlotKVCache, crop_cache, gather_cache
+from specforge.engine.draft import DraftEngine
 from specforge.engine.generation import warp_probs
 from specforge.engine.prompt_lookup import ngram_candidates
 from specforge.engine.target import TargetEngine
@@ -158,6 +159,22 @@ class SpecStats:
         self.sibling_rounds += other.sibling_rounds
 
 
+def _chain_draft_engine(draft_model, topk: int, engine, draft_engine) -> DraftEngine | None:
+    """What runs a chain's draft forwards: ``draft_engine``, else one replaying CUDA graphs
+    where the target's engine does; none for a tree (its draft keeps its own cache)."""
+    if topk > 1:
+        return None
+    if draft_engine is None and engine is not None and engine.graphs:
+        return DraftEngine(draft_model, graphs=True)
+    return draft_engine
+
+
+def _check_slot(cache: SlotKVCache, position: int) -> None:
+    """A chain's draft positions are its cache's slots: the next one is the cache's length."""
+    if position != cache.length:
+        raise RuntimeError(f"draft position {position} is not the draft cache's next slot")
+
+
 def _joined(pending, new):
     """``new`` (tokens (1, T), aux rows (1, T, H)) after ``pending`` (the same, or ``None``)."""
     if pending is None:
@@ -267,6 +284,7 @@ class SpeculativeDecoder:
         max_siblings: int = AUTO_MAX_SIBLINGS,
         lookup_tokens: int = 0,
         engine: TargetEngine | None = None,
+        draft_engine: DraftEngine | None = None,
     ):
         """
         Args:
@@ -292,6 +310,8 @@ class SpeculativeDecoder:
                 per second (0: the draft's always).
             engine: a :class:`~specforge.engine.target.TargetEngine` over ``target_model`` that
                 runs its forwards, or ``None``: transformers' forward with a growing cache.
+            draft_engine: runs a chain's draft forwards (:class:`~specforge.engine.draft.
+                DraftEngine`); default: CUDA graphs where ``engine`` replays them, else none.
 
         Raises:
             UserError: inconsistent drafting settings, or a target the runtime cannot serve
@@ -309,6 +329,7 @@ class SpeculativeDecoder:
         self.transform = check_logits(target_model)
         """What the target does to ``lm_head``'s output (verification uses its logits)."""
         self.draft_model = draft_model
+        self.draft_engine = _chain_draft_engine(draft_model, topk, engine, draft_engine)
         self.aux_layer_ids = list(aux_layer_ids)
         self.num_steps = num_steps
         self.topk = topk
@@ -336,7 +357,7 @@ class SpeculativeDecoder:
         repeated): the target's forward over 1 .. ``num_steps + 1`` new tokens, one draft
         step."""
         ids = input_ids.to(self.device).repeat(1, -(-context // input_ids.shape[1]))[:, :context]
-        target_cache, draft_cache = self._target_cache(context), DraftKVCache()
+        target_cache, draft_cache = self._target_cache(context), self._draft_cache(context)
         _, aux = self._target_forward(ids, target_cache, logits_to_keep=1)
         _, hidden = self._draft_extend(ids[:, 1:], aux[:, :-1], 0, draft_cache)
         token = ids[:, -1:]
@@ -387,10 +408,19 @@ class SpeculativeDecoder:
 
     # -- the draft ---------------------------------------------------------------------------
 
+    def _draft_cache(self, tokens: int):
+        """An empty draft cache with room for ``tokens`` plus the deepest chain."""
+        if self.draft_engine is None:
+            return DraftKVCache()
+        return self.draft_engine.new_cache(tokens + self.num_steps + 1)
+
     @torch.no_grad()
     def _draft_extend(self, tokens: torch.Tensor, aux: torch.Tensor, start: int, cache):
         """Run the draft over new positions ``start .. start + T - 1`` (token ``t + 1`` and the
         target feature at ``t`` each); returns the last position's logits and hidden state."""
+        if isinstance(cache, SlotKVCache):  # through the draft engine: positions are slots
+            _check_slot(cache, start)
+            return self.draft_engine.forward(tokens, aux, cache, extend=True)
         positions = torch.arange(start, start + tokens.shape[1], device=self.device)[None]
         logits, hidden = self.draft_model(
             tokens, self.draft_model.fuse(aux), positions, cache=cache, logits_to_keep=1
@@ -434,6 +464,9 @@ class SpeculativeDecoder:
     def _draft_step(self, token: torch.Tensor, hidden: torch.Tensor, position: int, cache):
         """One draft forward over ``token`` (1,) at ``position`` after ``hidden`` (1, 1, H):
         the next logits (float32 whatever the draft's dtype) and hidden state."""
+        if isinstance(cache, SlotKVCache):
+            _check_slot(cache, position)
+            return self.draft_engine.forward(token[None], hidden, cache, extend=False)
         step_position = torch.tensor([[position]], device=self.device)
         step_logits, hidden = self.draft_model(token[None], hidden, step_position, cache=cache)
         return step_logits[0, -1].float(), hidden
@@ -754,7 +787,7 @@ class SpeculativeDecoder:
         # prefill: the target over the prompt, then the draft over its features
         # both caches append in place (spare columns) and crop by moving their end
         target_cache = self._target_cache(prompt_length + max_new_tokens)
-        draft_cache = DraftKVCache()
+        draft_cache = self._draft_cache(prompt_length + max_new_tokens)
         self.generator = generator
         logits, aux = self._target_forward(input_ids, target_cache, logits_to_keep=1)
         next_token = self._plain_token(logits[-1])

@@ -1,0 +1,98 @@
+"""The draft's serving forwards through the engine: its single layer's keys and values in a
+preallocated :class:`~specforge.engine.cache.SlotKVCache` written by slot, an explicit mask over
+a bucketed key span, and, on a GPU, each forward replayed as a CUDA graph
+(:class:`~specforge.engine.graphs.CudaGraphs`): a chain's draft steps then cost one replay each
+instead of the few dozen kernel launches of an eager step.
+
+Two forwards, each with its own graphs: an **extension** over the target's fused aux states of
+the tokens a round accepted (at most ``MAX_GRAPH_TOKENS`` of them in a graph; a longer one, as
+after the prompt or a dormant stretch, runs eagerly), and a **step** over the draft's own state
+of one drafted token. Draft positions are the cache's slots, as in a chain (a tree's draft
+keeps its own cache, :class:`~specforge.models.eagle3.DraftKVCache`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specforge.engine.cache import SlotKVCache, SlotKVPool
+from specforge.engine.graphs import CudaGraphs
+from specforge.engine.target import SPAN_STEP, key_span
+from specforge.models.eagle3 import Eagle3DraftModel
+
+MAX_GRAPH_TOKENS = 16
+"""Extensions over more tokens than this run eagerly (each count is a graph of its own)."""
+
+
+class DraftEngine:
+    """The draft's extension and step forwards over a slot cache, eager or as CUDA graphs.
+
+    Args:
+        draft: the draft model (eval mode, on its device).
+        graphs: replay each forward shape as a CUDA graph (a CUDA device only).
+    """
+
+    def __init__(self, draft: Eagle3DraftModel, *, graphs: bool):
+        self.draft = draft
+        self.device = draft.lm_head.weight.device
+        if graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        self._pool = SlotKVPool()
+        self._extend, self._step = self._extend_eager, self._step_eager
+        if graphs:
+            self._extend = CudaGraphs(self._extend_eager, self._pool)
+            self._step = CudaGraphs(self._step_eager, self._pool)
+
+    @property
+    def captures(self) -> int:
+        """CUDA graphs captured so far (none eagerly)."""
+        return sum(getattr(run, "captures", 0) for run in (self._extend, self._step))
+
+    def new_cache(self, capacity: int) -> SlotKVCache:
+        """An empty cache for one sequence's draft entries, at most ``capacity`` of them; its
+        first forward takes the engine's buffers (older caches then refuse to run)."""
+        return SlotKVCache(1, -(-capacity // SPAN_STEP) * SPAN_STEP, self._pool)
+
+    def _extend_eager(self, tokens, aux, positions, slots, mask, *, cache):
+        cache.write_at(slots, mask.shape[-1])
+        hidden = self.draft.fuse(aux)
+        return self.draft(
+            tokens, hidden, positions, cache=cache, attention_mask=mask, logits_to_keep=1
+        )
+
+    def _step_eager(self, tokens, hidden, positions, slots, mask, *, cache):
+        cache.write_at(slots, mask.shape[-1])
+        return self.draft(
+            tokens, hidden, positions, cache=cache, attention_mask=mask, logits_to_keep=1
+        )
+
+    @torch.no_grad()
+    def forward(
+        self, tokens: torch.Tensor, states: torch.Tensor, cache: SlotKVCache, *, extend: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft over ``tokens`` (1, T) at the next ``T`` slots and positions of ``cache``:
+        with ``extend``, ``states`` are the target's aux states (1, T, 3 * Ht); else the draft's
+        own state (1, T, H) of the step before. Returns the last position's logits
+        (draft vocabulary, float32) and the state for the next step (1, 1, H), both new tensors.
+
+        Raises:
+            ValueError: more tokens than the cache has room for.
+        """
+        count, start = tokens.shape[1], cache.length
+        end = start + count
+        if end > cache.capacity:
+            raise ValueError(f"{end} draft tokens exceed the cache's capacity of {cache.capacity}")
+        cache.check_lease()
+        span = key_span(end, cache.capacity)
+        slots = torch.arange(start, end, device=self.device)
+        # new token i sees every slot up to its own: the cached prefix and the new ones before it
+        mask = torch.arange(span, device=self.device)[None] <= slots[:, None]
+        inputs = (tokens.clone(), states.clone(), slots[None], slots, mask[None, None])
+        if not cache.allocated or (extend and count > MAX_GRAPH_TOKENS):
+            run = self._extend_eager if extend else self._step_eager
+        else:
+            run = self._extend if extend else self._step
+        logits, hidden = run(*inputs, cache=cache)
+        cache.length = end
+        # copies: a replayed graph's outputs are overwritten by its next replay
+        return logits[0, -1].float().clone(), hidden[:, -1:].clone()

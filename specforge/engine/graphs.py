@@ -1,0 +1,81 @@
+"""Forwards as CUDA graphs: an eager function captured once per shape and replayed, as SGLang's
+and vLLM's runners do (no compiler: a graph costs a few forwards to capture, where inductor
+took minutes to compile the target's layer loop on an H200).
+
+A shape is the shapes of the function's tensor inputs (for the target: the token count and the
+key span of :func:`~specforge.engine.target.key_span`). Its graph is captured the first time
+the shape runs: the inputs are copied into tensors the graph owns, the function runs once
+eagerly on a side stream (whatever it initialises lazily is then in place before the capture)
+and is captured over those tensors and the cache's buffers; every later call of that shape
+copies its inputs in and replays. The warm-up writes the cache exactly what the replay writes
+(the same keys and values at the same slots), so it changes nothing. The graphs read and write
+the buffers of a :class:`~specforge.engine.cache.SlotKVPool`; when the pool allocates new ones
+(a longer sequence), every graph is dropped and captured again over them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specforge.engine.cache import SlotKVPool
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]
+    """The tensors the graph reads its inputs from."""
+    outputs: tuple[torch.Tensor, ...]
+    """Where each replay leaves the function's outputs."""
+
+
+class CudaGraphs:
+    """``run(*inputs, cache)`` replayed from one CUDA graph per shape of ``inputs`` (see the
+    module docstring). Returns what ``run`` returns, in tensors the next replay overwrites:
+    copy what must outlive it.
+
+    Args:
+        run: an eager forward over tensors and a cache whose buffers are taken.
+        pool: the buffers the cache's layers hold.
+    """
+
+    def __init__(self, run, pool: SlotKVPool):
+        self.run = run
+        self.pool = pool
+        self.graphs: dict[tuple, _Graph] = {}
+        self.captures = 0
+        """Graphs captured so far (again after a change of buffers too)."""
+        self._generation = pool.generation
+        self._memory = None
+        """The memory pool the graphs share: they run one at a time, and each one's outputs
+        stay allocated, so no graph writes where another keeps its outputs."""
+
+    def __call__(self, *inputs: torch.Tensor, cache):
+        if self.pool.generation != self._generation:  # the graphs point at freed buffers
+            self.graphs.clear()
+            self._generation = self.pool.generation
+        shape = tuple(tuple(tensor.shape) for tensor in inputs)
+        graph = self.graphs.get(shape)
+        if graph is None:
+            graph = self.graphs[shape] = self._capture([t.clone() for t in inputs], cache)
+        else:
+            for static, value in zip(graph.inputs, inputs, strict=True):
+                static.copy_(value)
+        graph.graph.replay()
+        return graph.outputs
+
+    def _capture(self, inputs: list[torch.Tensor], cache) -> _Graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.run(*inputs, cache=cache)  # the warm-up: lazy set-ups happen outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._memory is None:
+            self._memory = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._memory):
+            outputs = self.run(*inputs, cache=cache)
+        self.captures += 1
+        return _Graph(graph, inputs, outputs)
