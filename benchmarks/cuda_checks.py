@@ -18,9 +18,9 @@ Stages, in order of what a short lease should get first:
    round against 1.5 ms expected);
 2. ``decode step``: ``benchmarks/decode_step.py`` on CUDA, one decode step of continuous
    batching at 1-1024 rows, with the profiler's table at 256;
-3. ``regeneration``: ``benchmarks/prepare_stages.py --device cuda --compare-row-spans``: the
-   earlier static batches, ours, continuous batching (one attention span on a GPU) and
-   continuous batching with the CPU's 16-row spans;
+3. ``regeneration``: ``benchmarks/prepare_stages.py --device cuda``: self-distillation of
+   ``--regenerate-prompts`` prompts of ``--prompts`` (GSM8K's train questions, say) with
+   ``regenerate.batch_size: auto``, through the engine's row-slot cache and CUDA graphs;
 4. ``train``: ``benchmarks/train_throughput.py`` of the long recipe on CUDA on ``--data``
    (prepared conversations): batch 1 (the recipe's) and a ``--batch-tokens`` budget, the TTT
    step eager and compiled; then ``real size``: ``benchmarks/real_size.py``, a
@@ -97,13 +97,13 @@ def stages(args) -> list[tuple[str, list[str], float]]:
             args.seconds[1],
         )
     )
-    rows = str(args.regenerate_prompts)
+    prompts = ["--conversations", args.prompts] if args.prompts else []
     runs.append(
         (
             "regeneration",
-            [py, "benchmarks/prepare_stages.py", "--device", args.device, "--limit", rows]
-            + ["--batch-size", rows, "--baseline-batch-size", "32", "--compare-row-spans"]
-            + ["--output", str(out / "prepare_stages.json")],
+            [py, "benchmarks/prepare_stages.py", "--device", args.device, *prompts]
+            + ["--limit", str(args.regenerate_prompts), "--batch-size", "auto"]
+            + ["--paths", "continuous", "--output", str(out / "prepare_stages.json")],
             args.seconds[1],
         )
     )
@@ -153,7 +153,10 @@ def main() -> None:
     )
     parser.add_argument("--data", help="prepared conversations (stage 4)")
     parser.add_argument("--recipe", default="configs/smollm2-135m-eagle3-long.yaml")
-    parser.add_argument("--regenerate-prompts", type=int, default=128)
+    parser.add_argument(
+        "--prompts", help="conversations whose prompts stage 3 answers (default: the built-in)"
+    )
+    parser.add_argument("--regenerate-prompts", type=int, default=4096)
     parser.add_argument(
         "--batch-tokens", type=int, default=16384, help="training's token budget (stage 4)"
     )

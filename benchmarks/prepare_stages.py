@@ -40,6 +40,7 @@ from specforge.config import RegenerateConfig, SynthesizeConfig, TargetConfig
 from specforge.data.chat import end_of_turn_ids, tokenize_conversations
 from specforge.data.conversations import Conversation
 from specforge.data.prompts import builtin_conversations
+from specforge.data.sources import load_conversations
 from specforge.data.vocab import build_vocab_map, count_token_frequencies
 from specforge.distill.regenerate import regenerate_conversations
 from specforge.distill.synthesize import synthesize_conversations
@@ -128,7 +129,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=16, help="built-in prompts to self-distill")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=64, help="continuous: rows in flight")
+    parser.add_argument(
+        "--batch-size",
+        type=lambda value: value if value == "auto" else int(value),
+        default=64,
+        help="continuous: rows in flight (auto: regenerate.batch_size's auto)",
+    )
     parser.add_argument("--baseline-batch-size", type=int, default=16, help="static batches")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument(
@@ -159,9 +165,18 @@ def main() -> None:
         help="also time the target writing N prompts (top-p sampling) with the nucleus found "
         "among the top candidates and by ranking the whole vocabulary (as the earlier sort did)",
     )
+    parser.add_argument(
+        "--conversations", help="prompts from this conversations file (default: the built-in ones)"
+    )
+    parser.add_argument(
+        "--paths", nargs="+", help=f"the regeneration paths to run (default: all; {TODAY!r} first)"
+    )
     parser.add_argument("--device", default="cpu", help="the target's device (cpu, cuda)")
     parser.add_argument("--output", default="outputs/bench/prepare_stages.json")
     args = parser.parse_args()
+    unknown = sorted(set(args.paths or []) - set(paths(args)))
+    if unknown:
+        parser.error(f"unknown paths {unknown}; choose from {list(paths(args))}")
     rows: list[tuple[str, float | None, str]] = []  # None: a ratio row
 
     with tempfile.TemporaryDirectory() as fresh_cache:
@@ -203,10 +218,13 @@ def main() -> None:
         rows.append(
             ("decode attention kernel (build or load)", time.perf_counter() - start, kernel_note)
         )
-        conversations = builtin_conversations("train")[: args.limit]
+        if args.conversations:
+            conversations = load_conversations([args.conversations], limit=args.limit)
+        else:
+            conversations = builtin_conversations("train")[: args.limit]
         models = {(args.dtype, None, True): model}
         reports, answers = {}, {}
-        runs = paths(args)
+        runs = {name: run for name, run in paths(args).items() if name in (args.paths or [name])}
         for path, run in runs.items():
             backend, batch_size, dtype, rows_per_span, attention, prepack, kernel_mode = run
             if (dtype, attention, prepack) not in models:
@@ -236,13 +254,13 @@ def main() -> None:
             reports[path], answers[path] = report, records
             rows.append(
                 (
-                    f"self-distill {args.limit} prompts, {path}",
+                    f"self-distill {len(conversations)} prompts, {path}",
                     report.seconds,
                     f"{report.generated_tokens / report.seconds:.0f} generated tok/s",
                 )
             )
-        compared = [path for path in runs if path != TODAY]
-        new = NEW if NEW in runs else SAME_DTYPE
+        compared = [path for path in runs if path != TODAY] if TODAY in runs else []
+        new = next(path for path in (NEW, SAME_DTYPE, *runs) if path in runs)
         written = [Conversation.from_record(r) for r in answers[new]]
         rate = {path: r.generated_tokens / r.seconds for path, r in reports.items()}
         identical = {

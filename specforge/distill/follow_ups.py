@@ -39,7 +39,8 @@ from specforge.distill.synthesize import (
     prompt_settings,
     user_turn_prefix,
 )
-from specforge.engine.generation import ContinuousBatcher, Request
+from specforge.engine.batch import batcher_for
+from specforge.engine.generation import Request
 from specforge.io import append_jsonl, read_jsonl, write_jsonl_atomic
 
 
@@ -152,7 +153,7 @@ def _decide(
         for index, record in enumerate(todo)
     ]
     pending.reverse()  # of equal-length prompts the batcher takes the last listed first
-    for completion in in_key_order(ContinuousBatcher(model, settings).run(pending), 0):
+    for completion in in_key_order(batcher_for(model, settings).run(pending), 0):
         report.attempts += 1
         report.generated_tokens += len(completion.tokens)
         content = completion.tokens[:-1] if completion.stopped else completion.tokens

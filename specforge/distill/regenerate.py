@@ -57,8 +57,8 @@ from specforge.data.chat import (
 )
 from specforge.data.conversations import Conversation
 from specforge.data.server_client import ChatClient
+from specforge.engine.batch import batcher_for
 from specforge.engine.generation import (
-    ContinuousBatcher,
     GenerationSettings,
     Request,
     auto_batch_size,
@@ -342,7 +342,7 @@ def run_continuous(model, run: Regeneration, states, progress: tqdm, start: floa
 
     for state in states:
         ask_next(state)
-    batcher = ContinuousBatcher(model, settings)
+    batcher = batcher_for(model, settings)
     for completion in batcher.run(pending):
         run.answered(completion.key, completion.tokens, completion.stopped)
         ask_next(completion.key)

@@ -47,9 +47,9 @@ from specforge.data.chat import (
     with_system_prompt,
 )
 from specforge.data.conversations import Conversation
+from specforge.engine.batch import batcher_for
 from specforge.engine.generation import (
     Completion,
-    ContinuousBatcher,
     GenerationSettings,
     Request,
 )
@@ -257,7 +257,7 @@ def synthesize_conversations(
         # decided in attempt order (deterministic) as soon as the earlier attempts are, so
         # accepted prompts are written as they come; the attempts still running when enough
         # prompts are kept are abandoned
-        for completion in in_key_order(ContinuousBatcher(model, settings).run(pending), attempt):
+        for completion in in_key_order(batcher_for(model, settings).run(pending), attempt):
             attempt += 1
             report.attempts += 1
             report.generated_tokens += len(completion.tokens)

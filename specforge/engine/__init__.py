@@ -5,8 +5,14 @@ self-distillation, evaluation) and :mod:`specforge.models`.
   slot, so accepting or rejecting draft tokens moves nothing but a length; cropping a cache
   and moving a tree's accepted path into place;
 - :mod:`specforge.engine.target`: the target's forward over a bounded set of shapes (token
-  counts and key spans), eager or compiled once with ``torch.compile`` and reused, returning
-  the logits and the auxiliary hidden states the draft reads;
+  counts and key spans), eager or compiled once (``torch.compile`` on a CPU, CUDA graphs on a
+  GPU) and reused, returning the logits and the auxiliary hidden states the draft reads;
+- :mod:`specforge.engine.graphs`: CUDA graphs of an eager forward, one captured per shape and
+  replayed;
+- :mod:`specforge.engine.draft`: a chain's draft forwards (extensions and steps) over a slot
+  cache of their own, replayed as CUDA graphs on a GPU;
+- :mod:`specforge.engine.batch`: continuous batching over a row-slot cache whose decode steps
+  replay CUDA graphs (what self-distillation uses on a GPU);
 - :mod:`specforge.engine.prompt_lookup`: prompt-lookup decoding (n-gram proposals verified
   by the target's engine), the free baseline the bench measures a draft against;
 - :mod:`specforge.engine.generation`: continuous batching (rows join and leave a running

@@ -173,6 +173,9 @@ class GenerationSettings:
     decode_kernel: str = "auto"
     """Decode steps' attention on CPU
     (:data:`~specforge.engine.decode_kernel.DECODE_KERNEL_MODES`)."""
+    cuda_graphs: bool = True
+    """On a CUDA device, batch through the engine's slot cache with each decode step replayed
+    as a CUDA graph (:func:`~specforge.engine.batch.batcher_for`)."""
 
     def __post_init__(self) -> None:
         check_decode_kernel_mode(self.decode_kernel)

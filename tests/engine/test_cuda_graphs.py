@@ -1,15 +1,18 @@
 """The engine on a CUDA device, where compiled means CUDA graphs: the replayed forwards decode as
 the eager engine and transformers do (the target alone, the draft's forwards, and the runtime's
-chain, tree and ``auto``), and a longer sequence's new buffers are captured again rather than
-replayed stale. Skipped without a GPU."""
+chain, tree and ``auto``; batched decode steps), and a longer sequence's new buffers are
+captured again rather than replayed stale. Skipped without a GPU."""
 
 import pytest
 import torch
 
+from specforge.engine.batch import SlotBatcher, batcher_for
 from specforge.engine.draft import DraftEngine
+from specforge.engine.generation import GenerationSettings, Request
 from specforge.engine.graphs import CudaGraphs
 from specforge.engine.target import SPAN_STEP, TargetEngine
 from specforge.serving.speculative import SpeculativeDecoder
+from tests.engine.test_generation import PROMPTS
 from tests.helpers import greedy_reference, make_tiny_llama, tiny_draft
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -98,3 +101,18 @@ def test_the_drafts_forwards_replay_as_they_run_eagerly():
     for ours, eager in zip(*outputs, strict=True):
         assert torch.equal(ours, eager)
     assert engines[0]._step.captures == engines[0]._extend.captures == 1
+
+
+def test_batched_decode_steps_replay_as_they_run_eagerly(target):
+    """Continuous batching on a GPU replays its decode steps: the same answers as its eager
+    steps, while rows join, leave and the cache grows for longer prompts."""
+    settings = GenerationSettings(max_new_tokens=12, eos_ids=[1, 33], pad_id=0, max_batch_size=3)
+    batcher = batcher_for(target, settings)
+    assert isinstance(batcher, SlotBatcher) and batcher.graphs
+    prompts = PROMPTS + [prompt * 40 for prompt in PROMPTS]  # up to 800 tokens
+    eager = SlotBatcher(target, settings, graphs=False)
+    answers = [
+        {c.key: c.tokens for c in run.run([Request(i, p) for i, p in enumerate(prompts)])}
+        for run in (batcher, eager)
+    ]
+    assert answers[0] == answers[1]
