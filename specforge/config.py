@@ -501,7 +501,8 @@ class TrainConfig:
     passes over it (and repeated evaluations) skip the target's forward, about two thirds of a
     CPU step (:mod:`specforge.trainer.state_cache`). About ``(3 + f) x hidden x 2`` bytes a
     token in 16 bits (``f``: the share of tokens under the loss), 4.4 KB for SmolLM2.
-    ``0``: the target runs every step."""
+    ``0``: the target runs every step. Offline mode reads every state from its shards and
+    ignores it, with a warning."""
     target_sharding: Literal["replicate", "fsdp"] = "replicate"
     """Online mode under torchrun: every rank holds the whole frozen target (``replicate``), or
     its decoder layers are sharded across ranks with FSDP2 ``fully_shard`` (``fsdp``, for

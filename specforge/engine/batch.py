@@ -9,7 +9,7 @@ row's index is taken by the next prompt to join, whose keys and values are copie
 of that row (from a prefill over its group, left-padded, through the target's own forward). A
 decode step covers the rows in use rounded up to a power of two (at least
 :data:`MIN_ROW_BUCKET`) and reads the key span that the longest live row needs (a multiple of
-:data:`~specforge.engine.target.SPAN_STEP`), masked per row; finished and unused rows run along
+:data:`~specforge.engine.cache.SPAN_STEP`), masked per row; finished and unused rows run along
 and write a slot no one reads. :func:`batcher_for` picks it on a CUDA device for a target the
 engine takes (else the transformers-based batcher).
 """
@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specforge.engine.cache import SPAN_STEP, key_span
 from specforge.engine.generation import ContinuousBatcher, GenerationSettings, prefill_groups
 from specforge.engine.graphs import CudaGraphs
-from specforge.engine.target import SPAN_STEP, TargetEngine, key_span
+from specforge.engine.target import TargetEngine
 from specforge.errors import UserError
 from specforge.models.adapter import text_config
 from specforge.models.target import default_aux_layer_ids

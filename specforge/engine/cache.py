@@ -17,6 +17,16 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specforge.models.eagle3 import DraftKVCache
 
+SPAN_STEP = 256
+"""Key spans are multiples of this many slots: the compiled attention reads at most this many
+free slots beyond a sequence's end, and a sequence crosses a new span every 256 tokens."""
+
+
+def key_span(end: int, capacity: int) -> int:
+    """The slots a forward whose last token sits at slot ``end - 1`` reads: ``end`` rounded up
+    to a multiple of :data:`SPAN_STEP`, at most ``capacity``."""
+    return min(-(-end // SPAN_STEP) * SPAN_STEP, capacity)
+
 
 class SlotKVPool:
     """The buffers of one engine's caches, one sequence at a time: a cache's first forward takes
@@ -118,6 +128,20 @@ class SlotKVCache(Cache):
         if self.slots is None:
             raise RuntimeError("SlotKVCache.update before write_at named the slots")
         return self.layers[layer_idx].update(key_states, value_states, self.slots, self.key_span)
+
+    def next_slots(self, count: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """Before a forward over ``count`` new tokens: their slots (the cache's next ones) and
+        the key span it reads, once the cache has room and its lease holds.
+
+        Raises:
+            ValueError: more tokens than the cache has room for.
+            RuntimeError: a newer cache of the same pool has taken the buffers.
+        """
+        end = self.length + count
+        if end > self.capacity:
+            raise ValueError(f"{end} tokens exceed the cache's capacity of {self.capacity}")
+        self.check_lease()
+        return torch.arange(self.length, end, device=device), key_span(end, self.capacity)
 
     def append(self, key_states, value_states):
         """A one-layer cache as the draft's attention writes it (the interface of

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from specforge.engine.cache import SlotKVCache, SlotKVPool
+from specforge.engine.cache import SPAN_STEP, SlotKVCache, SlotKVPool
 from specforge.engine.graphs import CudaGraphs
-from specforge.engine.target import SPAN_STEP, key_span
 from specforge.models.eagle3 import Eagle3DraftModel
 
 MAX_GRAPH_TOKENS = 16
@@ -78,13 +77,8 @@ class DraftEngine:
         Raises:
             ValueError: more tokens than the cache has room for.
         """
-        count, start = tokens.shape[1], cache.length
-        end = start + count
-        if end > cache.capacity:
-            raise ValueError(f"{end} draft tokens exceed the cache's capacity of {cache.capacity}")
-        cache.check_lease()
-        span = key_span(end, cache.capacity)
-        slots = torch.arange(start, end, device=self.device)
+        count = tokens.shape[1]
+        slots, span = cache.next_slots(count, self.device)
         # new token i sees every slot up to its own: the cached prefix and the new ones before it
         mask = torch.arange(span, device=self.device)[None] <= slots[:, None]
         inputs = (tokens.clone(), states.clone(), slots[None], slots, mask[None, None])
@@ -93,6 +87,6 @@ class DraftEngine:
         else:
             run = self._extend if extend else self._step
         logits, hidden = run(*inputs, cache=cache)
-        cache.length = end
+        cache.length += count
         # copies: a replayed graph's outputs are overwritten by its next replay
         return logits[0, -1].float().clone(), hidden[:, -1:].clone()

@@ -3,7 +3,7 @@ and vLLM's runners do (no compiler: a graph costs a few forwards to capture, whe
 took minutes to compile the target's layer loop on an H200).
 
 A shape is the shapes of the function's tensor inputs (for the target: the token count and the
-key span of :func:`~specforge.engine.target.key_span`). Its graph is captured the first time
+key span of :func:`~specforge.engine.cache.key_span`). Its graph is captured the first time
 the shape runs: the inputs are copied into tensors the graph owns, the function runs once
 eagerly on a side stream (whatever it initialises lazily is then in place before the capture)
 and is captured over those tensors and the cache's buffers; every later call of that shape

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from specforge.config import resolve_engine_compile
-from specforge.engine.cache import SlotKVCache, SlotKVPool
+from specforge.engine.cache import SPAN_STEP, SlotKVCache, SlotKVPool
 from specforge.engine.graphs import CudaGraphs
 from specforge.errors import UserError
 from specforge.models.adapter import architecture, check_logits, find_decoder, text_config
@@ -37,18 +37,8 @@ from specforge.models.target import GROUPED_SDPA, check_aux_layer_ids, target_hi
 
 logger = logging.getLogger(__name__)
 
-SPAN_STEP = 256
-"""Key spans are multiples of this many slots: the compiled attention reads at most this many
-free slots beyond a sequence's end, and a sequence crosses a new span every 256 tokens."""
-
 PROBE_TOKENS = 7
 """Tokens of the construction check (:meth:`TargetEngine.refusal`)."""
-
-
-def key_span(end: int, capacity: int) -> int:
-    """The slots a forward whose last token sits at slot ``end - 1`` reads: ``end`` rounded up
-    to a multiple of :data:`SPAN_STEP`, at most ``capacity``."""
-    return min(-(-end // SPAN_STEP) * SPAN_STEP, capacity)
 
 
 def window_refusal(model: nn.Module) -> str | None:
@@ -197,12 +187,8 @@ class TargetEngine:
             ValueError: more tokens than the cache has room for.
         """
         count, start = input_ids.shape[1], cache.length
+        slots, span = cache.next_slots(count, self.device)
         end = start + count
-        if end > cache.capacity:
-            raise ValueError(f"{end} tokens exceed the cache's capacity of {cache.capacity}")
-        cache.check_lease()
-        span = key_span(end, cache.capacity)
-        slots = torch.arange(start, end, device=self.device)
         # fresh tensors, never views: a view's base is guarded too, so inputs that are views of
         # different tensors (or of one another) would each be another graph
         input_ids = input_ids.clone()
@@ -216,7 +202,7 @@ class TargetEngine:
         graphs = self._graphs_built()
         began = time.perf_counter()
         # a new cache's first forward (the prompt) runs eagerly: it takes the buffers
-        replayed = cache.allocated and self.stats.compiled and self.device.type == "cuda"
+        replayed = cache.allocated and self.graphs
         run = self._run if cache.allocated else self._layers
         hidden, aux = run(input_ids, positions, slots, mask[None, None], cache=cache)
         if replayed:

@@ -46,6 +46,7 @@ from specforge.serving.adaptive import (
     best_depth,
     best_siblings,
     calibrate,
+    expected_tokens,
     first_acceptance,
     round_rate,
 )
@@ -498,6 +499,10 @@ class SpeculativeDecoder:
         draft_tokens, draft_probs, probs, candidate = None, None, [], None
         ranked, siblings = [], 0
         if self.auto and not self.sampling:
+            lookup = self._lookup_first(draft_logits)
+            if lookup:  # prompt lookup beats the draft's best promise: nothing is drafted
+                stats.draft_seconds += self._clock() - start
+                return self._lookup_round(next_token, length, lookup, target_cache, stats)
             draft_tokens, probs, candidate = self._draft_auto(
                 draft_logits, hidden, length - 1, draft_cache
             )
@@ -555,19 +560,42 @@ class SpeculativeDecoder:
         emitted = (draft_tokens[:accepted].tolist() if depth else []) + [bonus]
         return emitted, accepted, aux[:, : accepted + 1]
 
+    def _lookup_first(self, draft_logits: torch.Tensor) -> int:
+        """Before any draft step: the prompt-lookup depth when its proposal promises more
+        tokens per second than the best chain that the draft's confidence in its first token
+        and the position estimates beyond promise, else 0. A lookup round drafts nothing (it
+        pays its verification and the round's other time only); when the draft is drafted,
+        :meth:`_lookup_depth` decides again from every drafted token's confidence."""
+        rates, depth = self._lookup_plan()
+        if not depth:
+            return 0
+        lookup = expected_tokens(rates, depth) / (self.costs.verify[depth] + self.costs.other)
+        first = float(draft_logits.float().softmax(-1).max())
+        guess = [self.confidence.acceptance(first), *self.estimate.rates()[1:]]
+        drafted = max(round_rate(guess[:k], [], self.costs) for k in range(len(guess) + 1))
+        return depth if lookup > drafted else 0
+
     def _lookup_depth(self, probs: list[float], siblings: list[tuple[int, float]]) -> int:
         """How many of this round's prompt-lookup tokens to verify in place of the draft's
         chain with ``probs`` and ``siblings``: the depth with the most expected tokens per
         second under the lookup estimates, when that beats the draft's round; else 0 (and
         always 0 without ``lookup_tokens`` or a proposal)."""
-        if self.lookup is None or self.lookup.proposal is None:
+        rates, depth = self._lookup_plan()
+        if not depth:
             return 0
-        rates = self.lookup.estimate.rates()[: len(self.lookup.proposal)]
-        depth = min(best_depth(rates, self.costs), len(rates))
         chain = [self.confidence.acceptance(q) for q in probs]
         others = [self.sibling_confidence.acceptance(q) for _, q in siblings]
         drafted = round_rate(chain, others, self.costs)
-        return depth if depth and round_rate(rates[:depth], [], self.costs) > drafted else 0
+        return depth if round_rate(rates[:depth], [], self.costs) > drafted else 0
+
+    def _lookup_plan(self) -> tuple[list[float], int]:
+        """Prompt lookup's acceptance estimates for this round's proposal and the depth with
+        the most expected tokens per second under them (0: no ``lookup_tokens``, no proposal,
+        or no depth pays)."""
+        if self.lookup is None or self.lookup.proposal is None:
+            return [], 0
+        rates = self.lookup.estimate.rates()[: len(self.lookup.proposal)]
+        return rates, min(best_depth(rates, self.costs), len(rates))
 
     def _lookup_round(self, next_token, length, depth, target_cache, stats):
         """A round verifying the first ``depth`` prompt-lookup tokens instead of the draft's;

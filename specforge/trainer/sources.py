@@ -253,5 +253,11 @@ class OfflineShards:
 def hidden_state_source(cfg: SpecForgeConfig, ranks: Distributed, device: str) -> HiddenStateSource:
     """The source ``data.mode`` asks for."""
     if cfg.data.mode == "offline":
+        if cfg.train.state_cache_gb:
+            logger.warning(
+                "train.state_cache_gb (%s) keeps the target's states of the online mode; "
+                "data.mode offline reads every state from its shards and keeps none",
+                cfg.train.state_cache_gb,
+            )
         return OfflineShards(cfg, ranks, device)
     return OnlineTarget(cfg, ranks, device)

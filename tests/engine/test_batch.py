@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specforge.engine.batch import SlotBatcher, batcher_for
+from specforge.engine.cache import SPAN_STEP
 from specforge.engine.generation import ContinuousBatcher, GenerationSettings, Request
-from specforge.engine.target import SPAN_STEP
 from tests.engine.test_generation import PROMPTS, one_at_a_time
 from tests.helpers import make_tiny_llama
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from specforge.engine.batch import SlotBatcher, batcher_for
+from specforge.engine.cache import SPAN_STEP
 from specforge.engine.draft import DraftEngine
 from specforge.engine.generation import GenerationSettings, Request
 from specforge.engine.graphs import CudaGraphs
-from specforge.engine.target import SPAN_STEP, TargetEngine
+from specforge.engine.target import TargetEngine
 from specforge.serving.speculative import SpeculativeDecoder
 from tests.engine.test_generation import PROMPTS
 from tests.helpers import greedy_reference, make_tiny_llama, tiny_draft

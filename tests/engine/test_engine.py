@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from specforge.config import resolve_engine_compile
-from specforge.engine.cache import SlotKVCache, gather_cache
+from specforge.engine.cache import SPAN_STEP, SlotKVCache, gather_cache, key_span
 from specforge.engine.prompt_lookup import ngram_candidates, prompt_lookup_generate
-from specforge.engine.target import SPAN_STEP, TargetEngine, build_engine, key_span
+from specforge.engine.target import TargetEngine, build_engine
 from specforge.errors import UserError
 from specforge.serving.speculative import SpeculativeDecoder
 from tests.helpers import greedy_reference, make_tiny_llama, tiny_draft

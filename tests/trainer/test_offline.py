@@ -78,13 +78,17 @@ def test_online_and_offline_give_the_same_loss_and_gradients(tmp_path, peaked_ta
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6)
 
 
-def test_offline_training_matches_online_training(tmp_path, peaked_target_dir):
+def test_offline_training_matches_online_training(tmp_path, peaked_target_dir, caplog):
+    """Also with ``train.state_cache_gb`` set, which offline training does not use (and says)."""
     folder, data = peaked_target_dir
     steps = ["train.max_steps=6", "train.eval_every=3", "train.save_every=3"]
     online = train(tiny_train_config(folder, data, tmp_path / "online", *steps))
-    cfg = offline_config(folder, data, tmp_path / "offline", "data.mode=offline", *steps)
+    cfg = offline_config(
+        folder, data, tmp_path / "offline", "data.mode=offline", "train.state_cache_gb=1", *steps
+    )
     capture(cfg)
     offline = train(cfg)
+    assert "train.state_cache_gb (1.0) keeps the target's states of the online mode" in caplog.text
     assert offline.checkpoint.name == online.checkpoint.name == "step_6"
     a = load_file(online.checkpoint / "draft.safetensors")
     b = load_file(offline.checkpoint / "draft.safetensors")
