@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specforge.engine.cache import SPAN_STEP, key_span
+from specforge.engine.cache import NamedSlotsCache, key_span, whole_spans
 from specforge.engine.generation import ContinuousBatcher, GenerationSettings, prefill_groups
 from specforge.engine.graphs import CudaGraphs
 from specforge.engine.target import TargetEngine
@@ -64,9 +64,10 @@ class RowSlotLayer(CacheLayerMixin):
         raise NotImplementedError("the engine passes its own masks")
 
 
-class RowSlotCache(Cache):
+class RowSlotCache(NamedSlotsCache):
     """The batch's cache: :class:`RowSlotLayer` layers over ``rows`` rows of ``capacity``
-    slots (a multiple of :data:`SPAN_STEP`; one spare slot each, never read)."""
+    slots (a multiple of :data:`~specforge.engine.cache.SPAN_STEP`; one spare slot each, never
+    read), one slot a row (R,) named per decode step."""
 
     def __init__(self, like: list[torch.Tensor], rows: int, capacity: int):
         # like: a prefill's keys per layer, (B, H_kv, S, D): the shape and dtype of a row
@@ -74,19 +75,8 @@ class RowSlotCache(Cache):
         layers = [
             RowSlotLayer(keys.new_zeros(shape(keys)), keys.new_zeros(shape(keys))) for keys in like
         ]
-        super().__init__(layers=layers)
+        super().__init__(layers)
         self.rows, self.capacity = rows, capacity
-        self.generation = 0
-        """What :class:`~specforge.engine.graphs.CudaGraphs` watches: a new cache, new graphs."""
-        self.slots: torch.Tensor | None = None
-        self.key_span = 0
-
-    def write_at(self, slots: torch.Tensor, key_span: int) -> None:
-        """The next decode step's slot per row (R,) and the span it reads."""
-        self.slots, self.key_span = slots, key_span
-
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states, self.slots, self.key_span)
 
     def place(self, prefill: Cache, rows: list[int], lengths: list[int]) -> None:
         """Copy a left-padded prefill's keys and values (B, H_kv, S, D) per layer to the front
@@ -156,15 +146,15 @@ class SlotBatcher(ContinuousBatcher):
         old = batch.cache
         if old is not None and old.capacity >= needed:
             return
-        capacity = self.capacity = -(-needed // SPAN_STEP) * SPAN_STEP
+        capacity = self.capacity = whole_spans(needed)
         keys = [layer.keys for layer in prefill.layers]
         batch.cache = RowSlotCache(keys, self.settings.max_batch_size, capacity)
         if old is not None:
             for ours, theirs in zip(batch.cache.layers, old.layers, strict=True):
                 ours.keys[:, :, : theirs.keys.shape[2]] = theirs.keys
                 ours.values[:, :, : theirs.values.shape[2]] = theirs.values
-        if self.graphs:  # graphs over the new buffers (the old ones go)
-            self._run = CudaGraphs(self.engine._layers, batch.cache)
+        if self.graphs:  # graphs over the new buffers (the old ones go), which stay put
+            self._run = CudaGraphs(self.engine._layers)
 
     def _step(self, batch) -> None:
         """One decode forward over the rows in use (their bucket) at each row's next slot."""

@@ -22,10 +22,16 @@ SPAN_STEP = 256
 free slots beyond a sequence's end, and a sequence crosses a new span every 256 tokens."""
 
 
+def whole_spans(slots: int) -> int:
+    """``slots`` rounded up to a multiple of :data:`SPAN_STEP` (a cache's capacity, so that
+    every key span is a bucket)."""
+    return -(-slots // SPAN_STEP) * SPAN_STEP
+
+
 def key_span(end: int, capacity: int) -> int:
     """The slots a forward whose last token sits at slot ``end - 1`` reads: ``end`` rounded up
     to a multiple of :data:`SPAN_STEP`, at most ``capacity``."""
-    return min(-(-end // SPAN_STEP) * SPAN_STEP, capacity)
+    return min(whole_spans(end), capacity)
 
 
 class SlotKVPool:
@@ -100,19 +106,14 @@ class SlotKVLayer(CacheLayerMixin):
         raise NotImplementedError("the engine passes its own masks")
 
 
-class SlotKVCache(Cache):
-    """A preallocated HF cache of ``num_layers`` :class:`SlotKVLayer` layers holding ``length``
-    positions in slots ``0 .. length - 1``; slots past ``length`` are free (masked)."""
+class NamedSlotsCache(Cache):
+    """An HF cache whose layers write where the engine names: :meth:`write_at` before each
+    forward, then every layer's ``update(keys, values, slots, key_span)``."""
 
-    def __init__(self, num_layers: int, capacity: int, pool: SlotKVPool | None = None):
-        self.pool = SlotKVPool() if pool is None else pool
-        super().__init__(layers=[SlotKVLayer(capacity, self.pool, i) for i in range(num_layers)])
-        self.capacity = capacity
-        self.length = 0
-        self.lease: int | None = None
-        """The pool's lease this cache's buffers were taken under (at its first forward)."""
+    def __init__(self, layers: list[CacheLayerMixin]):
+        super().__init__(layers=layers)
         self.slots: torch.Tensor | None = None
-        """Where the forward in progress writes (T,), set by :meth:`write_at`."""
+        """Where the forward in progress writes, set by :meth:`write_at`."""
         self.key_span = 0
         """How many slots the forward in progress reads."""
 
@@ -126,8 +127,22 @@ class SlotKVCache(Cache):
         """Layer ``layer_idx``'s keys and values at the slots :meth:`write_at` named (what
         transformers passes beside them is not needed)."""
         if self.slots is None:
-            raise RuntimeError("SlotKVCache.update before write_at named the slots")
+            raise RuntimeError(f"{type(self).__name__}.update before write_at named the slots")
         return self.layers[layer_idx].update(key_states, value_states, self.slots, self.key_span)
+
+
+class SlotKVCache(NamedSlotsCache):
+    """A preallocated HF cache of ``num_layers`` :class:`SlotKVLayer` layers holding ``length``
+    positions in slots ``0 .. length - 1`` (slots (T,) named per forward); slots past
+    ``length`` are free (masked)."""
+
+    def __init__(self, num_layers: int, capacity: int, pool: SlotKVPool | None = None):
+        self.pool = SlotKVPool() if pool is None else pool
+        super().__init__([SlotKVLayer(capacity, self.pool, i) for i in range(num_layers)])
+        self.capacity = capacity
+        self.length = 0
+        self.lease: int | None = None
+        """The pool's lease this cache's buffers were taken under (at its first forward)."""
 
     def next_slots(self, count: int, device: torch.device) -> tuple[torch.Tensor, int]:
         """Before a forward over ``count`` new tokens: their slots (the cache's next ones) and

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from specforge.engine.cache import SPAN_STEP, SlotKVCache, SlotKVPool
+from specforge.engine.cache import SlotKVCache, SlotKVPool, whole_spans
 from specforge.engine.graphs import CudaGraphs
 from specforge.models.eagle3 import Eagle3DraftModel
 
@@ -50,14 +50,11 @@ class DraftEngine:
     def new_cache(self, capacity: int) -> SlotKVCache:
         """An empty cache for one sequence's draft entries, at most ``capacity`` of them; its
         first forward takes the engine's buffers (older caches then refuse to run)."""
-        return SlotKVCache(1, -(-capacity // SPAN_STEP) * SPAN_STEP, self._pool)
+        return SlotKVCache(1, whole_spans(capacity), self._pool)
 
     def _extend_eager(self, tokens, aux, positions, slots, mask, *, cache):
-        cache.write_at(slots, mask.shape[-1])
         hidden = self.draft.fuse(aux)
-        return self.draft(
-            tokens, hidden, positions, cache=cache, attention_mask=mask, logits_to_keep=1
-        )
+        return self._step_eager(tokens, hidden, positions, slots, mask, cache=cache)
 
     def _step_eager(self, tokens, hidden, positions, slots, mask, *, cache):
         cache.write_at(slots, mask.shape[-1])

@@ -9,8 +9,9 @@ eagerly on a side stream (whatever it initialises lazily is then in place before
 and is captured over those tensors and the cache's buffers; every later call of that shape
 copies its inputs in and replays. The warm-up writes the cache exactly what the replay writes
 (the same keys and values at the same slots), so it changes nothing. The graphs read and write
-the buffers of a :class:`~specforge.engine.cache.SlotKVPool`; when the pool allocates new ones
-(a longer sequence), every graph is dropped and captured again over them.
+the buffers of a :class:`~specforge.engine.cache.SlotKVPool` (or of one cache that keeps its
+own); when the pool allocates new ones (a longer sequence), every graph is dropped and captured
+again over them.
 """
 
 from __future__ import annotations
@@ -38,24 +39,25 @@ class CudaGraphs:
 
     Args:
         run: an eager forward over tensors and a cache whose buffers are taken.
-        pool: the buffers the cache's layers hold.
+        pool: the buffers the caches' layers take in turn (None: one cache's, which never
+            move).
     """
 
-    def __init__(self, run, pool: SlotKVPool):
+    def __init__(self, run, pool: SlotKVPool | None = None):
         self.run = run
         self.pool = pool
         self.graphs: dict[tuple, _Graph] = {}
         self.captures = 0
         """Graphs captured so far (again after a change of buffers too)."""
-        self._generation = pool.generation
+        self._generation = self._buffers()
         self._memory = None
         """The memory pool the graphs share: they run one at a time, and each one's outputs
         stay allocated, so no graph writes where another keeps its outputs."""
 
     def __call__(self, *inputs: torch.Tensor, cache):
-        if self.pool.generation != self._generation:  # the graphs point at freed buffers
+        if self._buffers() != self._generation:  # the graphs point at freed buffers
             self.graphs.clear()
-            self._generation = self.pool.generation
+            self._generation = self._buffers()
         shape = tuple(tuple(tensor.shape) for tensor in inputs)
         graph = self.graphs.get(shape)
         if graph is None:
@@ -65,6 +67,10 @@ class CudaGraphs:
                 static.copy_(value)
         graph.graph.replay()
         return graph.outputs
+
+    def _buffers(self) -> int:
+        """Which buffers the graphs were recorded over (the pool's generation)."""
+        return 0 if self.pool is None else self.pool.generation
 
     def _capture(self, inputs: list[torch.Tensor], cache) -> _Graph:
         stream = torch.cuda.Stream()

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from specforge.config import resolve_engine_compile
-from specforge.engine.cache import SPAN_STEP, SlotKVCache, SlotKVPool
+from specforge.engine.cache import SPAN_STEP, SlotKVCache, SlotKVPool, whole_spans
 from specforge.engine.graphs import CudaGraphs
 from specforge.errors import UserError
 from specforge.models.adapter import architecture, check_logits, find_decoder, text_config
@@ -136,7 +136,7 @@ class TargetEngine:
         multiple of :data:`SPAN_STEP`, so every span is a bucket). Its first forward takes the
         engine's buffers (:class:`~specforge.engine.cache.SlotKVPool`): from then on the caches
         made before it refuse to run."""
-        return SlotKVCache(len(self.layers), -(-capacity // SPAN_STEP) * SPAN_STEP, self._pool)
+        return SlotKVCache(len(self.layers), whole_spans(capacity), self._pool)
 
     def _layers(self, input_ids, positions, slots, mask, cache):
         """The decoder's plain loop (what ``torch.compile`` captures): embeddings, rotary
