@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -46,9 +46,9 @@ from specforge.serving.adaptive import (
     best_depth,
     best_siblings,
     calibrate,
-    expected_tokens,
     first_acceptance,
     round_rate,
+    tree_rate,
 )
 from specforge.serving.sampling import (
     accept_chain_sampling,
@@ -58,7 +58,7 @@ from specforge.serving.sampling import (
 from specforge.serving.tree import (
     accept_greedy,
     build_tree,
-    fan_tree,
+    merged_tree,
     row_argmax,
     tree_attention,
     verification_inputs,
@@ -105,9 +105,9 @@ class SpecStats:
     chain's first token, was the target's token: their accepted token counts in ``tau`` but
     not in the chain's :attr:`acceptance_per_position`."""
     lookup_rounds: list[int] = field(default_factory=list)
-    """The rounds (indices into :attr:`accepted_per_round`) that verified prompt-lookup tokens
-    instead of the draft's (greedy ``auto`` with ``lookup_tokens``): their tokens count in
-    ``tau`` but not in the draft's :attr:`acceptance_per_position`."""
+    """The rounds (indices into :attr:`accepted_per_round`) that verified prompt-lookup tokens,
+    instead of the draft's or beside them in one tree (greedy ``auto`` with ``lookup_tokens``):
+    their tokens count in ``tau`` but not in the draft's :attr:`acceptance_per_position`."""
 
     @property
     def tau(self) -> float:
@@ -231,23 +231,36 @@ class PromptLookup:
 
     tokens: int
     """The most tokens proposed (and verified) in a round."""
-    estimate: AcceptanceEstimate = field(init=False)
-    """Running acceptance per position of the proposals, learnt from every round's emitted
-    tokens, verified or not."""
+    estimates: tuple[AcceptanceEstimate, AcceptanceEstimate] = field(init=False)
+    """Running acceptance per position of the proposals whose first token differs from the
+    draft's first choice, and of those that start with it (a proposal the draft agrees with
+    is accepted far more often), learnt from every round's emitted tokens, verified or not."""
     proposal: torch.Tensor | None = None
     """This round's proposal (``None``: none)."""
+    agrees: bool = False
+    """Whether :attr:`proposal` starts with the draft's first choice (:meth:`compare`)."""
 
     def __post_init__(self) -> None:
-        self.estimate = AcceptanceEstimate(self.tokens)
+        self.estimates = (AcceptanceEstimate(self.tokens), AcceptanceEstimate(self.tokens))
+
+    @property
+    def estimate(self) -> AcceptanceEstimate:
+        """The estimate this round's proposal falls under."""
+        return self.estimates[self.agrees]
 
     def propose(self, prompt: torch.Tensor, output: list[int], *, awake: bool) -> None:
         """This round's :attr:`proposal` after ``prompt`` (T,) and ``output``: ``None`` while
         the draft sleeps or when no earlier n-gram matches."""
-        self.proposal = None
+        self.proposal, self.agrees = None, False
         if awake:
             sequence = torch.cat([prompt.cpu(), torch.tensor(output)])
             proposal = ngram_candidates(sequence, num_tokens=self.tokens)
             self.proposal = proposal if len(proposal) else None
+
+    def compare(self, draft_first: int) -> None:
+        """Note whether the proposal starts with ``draft_first``, the draft's first choice
+        (target id) this round."""
+        self.agrees = self.proposal is not None and int(self.proposal[0]) == draft_first
 
     def learn(self, emitted: list[int]) -> None:
         """The estimates after a round, from its emitted tokens (the target's own, whatever
@@ -259,6 +272,32 @@ class PromptLookup:
             while matched < reached and int(self.proposal[matched]) == emitted[matched]:
                 matched += 1
             self.estimate.observe(reached, matched)
+
+
+@dataclass
+class Fan:
+    """A greedy ``auto`` round verified as one tree (:func:`merged_tree`): the draft's chain,
+    further candidates for its first position beside it, and prompt lookup's first tokens."""
+
+    chain: list[int]
+    """The draft's chain (target ids), drafted step by step."""
+    probs: list[float]
+    """The draft's probability of each chain token."""
+    ranked: list[tuple[int, float]]
+    """The first position's further draft candidates ``(target id, q)``, most likely first:
+    all learn from the target's first token, verified or not."""
+    siblings: int = 0
+    """How many of :attr:`ranked` are verified."""
+    lookup: list[int] = field(default_factory=list)
+    """Prompt lookup's tokens verified beside the draft's (none: the draft's only)."""
+    candidate: tuple[int, float] | None = None
+    """The chain's declined next token ``(target id, q)``, as :meth:`SpeculativeDecoder.
+    _draft_auto` returns it."""
+
+    def chains(self) -> list[list[int]]:
+        """What the tree merges: the chain first (its rows lead), then lookup, then the
+        siblings."""
+        return [self.chain, self.lookup, *([token] for token, _ in self.ranked[: self.siblings])]
 
 
 class SpeculativeDecoder:
@@ -307,8 +346,9 @@ class SpeculativeDecoder:
             lookup_tokens: greedy ``auto``: prompt-lookup proposals (the up to this many
                 tokens that followed the last n-gram's earlier occurrence,
                 :func:`~specforge.engine.prompt_lookup.ngram_candidates`) are verified instead
-                of the draft's in a round where their measured acceptance promises more tokens
-                per second (0: the draft's always).
+                of the draft's, or beside them in one tree where the target can verify a tree,
+                in a round where their measured acceptance promises more tokens per second
+                (0: the draft's always).
             engine: a :class:`~specforge.engine.target.TargetEngine` over ``target_model`` that
                 runs its forwards, or ``None``: transformers' forward with a growing cache.
             draft_engine: runs a chain's draft forwards (:class:`~specforge.engine.draft.
@@ -345,7 +385,10 @@ class SpeculativeDecoder:
         """Acceptance given the draft's own probability of its token (greedy ``auto`` only)."""
         self.sibling_confidence = ConfidenceCalibration() if self.auto else None
         """The same for the first position's further candidates (greedy ``auto`` only)."""
-        self.max_siblings = 0 if no_tree else max_siblings
+        self.trees = not no_tree
+        """Whether the target can verify a tree (greedy ``auto``'s siblings and its trees of
+        the draft's and prompt lookup's tokens)."""
+        self.max_siblings = max_siblings if self.trees else 0
         """Siblings ``auto`` may verify: none where the target cannot verify a tree."""
         self.costs: CostModel | None = None
         """This device's round costs (``auto``; measured by :meth:`calibrate`)."""
@@ -496,24 +539,17 @@ class SpeculativeDecoder:
         # 0-1. depth and draft: fixed, or the cost-aware choice (greedy: token by token, from
         # the draft's confidence; sampling: from the position estimates)
         start = self._clock()
-        draft_tokens, draft_probs, probs, candidate = None, None, [], None
-        ranked, siblings = [], 0
+        draft_tokens, draft_probs, fan = None, None, None
         if self.auto and not self.sampling:
-            lookup = self._lookup_first(draft_logits)
-            if lookup:  # prompt lookup beats the draft's best promise: nothing is drafted
+            fan = self._greedy_plan(draft_logits, hidden, length - 1, draft_cache)
+            if isinstance(fan, int) or fan.siblings or fan.lookup:
                 stats.draft_seconds += self._clock() - start
-                return self._lookup_round(next_token, length, lookup, target_cache, stats)
-            draft_tokens, probs, candidate = self._draft_auto(
-                draft_logits, hidden, length - 1, draft_cache
-            )
-            draft_tokens, probs, candidate, ranked, siblings = self._siblings(
-                draft_logits, draft_tokens, probs, candidate
-            )
-            depth = len(probs)
-            lookup = self._lookup_depth(probs, ranked[:siblings])
-            if lookup:  # prompt lookup promises more than the draft this round
-                stats.draft_seconds += self._clock() - start
-                return self._lookup_round(next_token, length, lookup, target_cache, stats)
+                if isinstance(fan, int):  # prompt lookup's first tokens promise the most
+                    return self._lookup_round(next_token, length, fan, target_cache, stats)
+                return self._fan_round(next_token, length, fan, target_cache, stats)
+            depth = len(fan.chain)
+            if depth:
+                draft_tokens = torch.tensor(fan.chain, device=self.device)
         else:
             depth = self._estimated_depth() if self.auto else self.num_steps
             if depth:
@@ -522,12 +558,6 @@ class SpeculativeDecoder:
                 )
         drafted = self._clock()
         stats.draft_seconds += drafted - start
-        if siblings:
-            fan = torch.tensor([token for token, _ in ranked[:siblings]], device=self.device)
-            tree = fan_tree(draft_tokens[:depth], fan)
-            return self._fan_round(
-                next_token, length, tree, ranked, probs, candidate, target_cache, stats
-            )
         # 2. verify: [last token, d_1 .. d_K] at positions length .. length + K
         verify_ids = torch.tensor([next_token], device=self.device)
         if depth:
@@ -537,7 +567,6 @@ class SpeculativeDecoder:
         stats.verify_seconds += verify_seconds
         if self.auto:
             self.costs.observe_verify(depth + 1, verify_seconds)
-            self._learn_siblings(ranked, target_logits)
         # 3. accept
         if not depth:
             accepted, bonus = 0, self._plain_token(target_logits[-1])
@@ -548,8 +577,11 @@ class SpeculativeDecoder:
             )
         else:
             accepted, bonus = self.accept(draft_tokens[:depth], target_logits)
-        if self.auto:
-            self._learn(depth, accepted, bonus, probs, candidate)
+        if fan is not None:
+            self._learn(depth, accepted, bonus, fan.probs, fan.candidate)
+            self._learn_siblings(fan.ranked, target_logits)
+        elif self.auto:
+            self._learn(depth, accepted, bonus, [], None)
             if self.sampling and not depth:  # what the first draft token's chance would have been
                 draft_probs = warp_probs(draft_logits, self.temperature, self.top_p)
                 target_probs = warp_probs(target_logits[-1], self.temperature, self.top_p)
@@ -560,33 +592,89 @@ class SpeculativeDecoder:
         emitted = (draft_tokens[:accepted].tolist() if depth else []) + [bonus]
         return emitted, accepted, aux[:, : accepted + 1]
 
-    def _lookup_first(self, draft_logits: torch.Tensor) -> int:
-        """Before any draft step: the prompt-lookup depth when its proposal promises more
-        tokens per second than the best chain that the draft's confidence in its first token
-        and the position estimates beyond promise, else 0. A lookup round drafts nothing (it
-        pays its verification and the round's other time only); when the draft is drafted,
-        :meth:`_lookup_depth` decides again from every drafted token's confidence."""
-        rates, depth = self._lookup_plan()
-        if not depth:
-            return 0
-        lookup = expected_tokens(rates, depth) / (self.costs.verify[depth] + self.costs.other)
-        first = float(draft_logits.float().softmax(-1).max())
-        guess = [self.confidence.acceptance(first), *self.estimate.rates()[1:]]
-        drafted = max(round_rate(guess[:k], [], self.costs) for k in range(len(guess) + 1))
-        return depth if lookup > drafted else 0
+    def _greedy_plan(self, draft_logits, hidden, position: int, draft_cache) -> int | Fan:
+        """Greedy ``auto``'s proposal for a round: a number of prompt lookup's tokens to verify
+        alone, or a :class:`Fan` (a chain, alone or in a tree with siblings and lookup's
+        tokens). Lookup is weighed first (:meth:`_lookup_first`); when the draft drafts, the
+        chain and its siblings are weighed against and beside lookup (:meth:`_with_lookup`)."""
+        first = self._lookup_first(draft_logits)
+        if first is not None:
+            return first
+        draft_tokens, probs, candidate = self._draft_auto(
+            draft_logits, hidden, position, draft_cache
+        )
+        draft_tokens, probs, candidate, ranked, siblings = self._siblings(
+            draft_logits, draft_tokens, probs, candidate
+        )
+        chain = [] if draft_tokens is None else draft_tokens.tolist()
+        return self._with_lookup(Fan(chain, probs, ranked, siblings, candidate=candidate))
 
-    def _lookup_depth(self, probs: list[float], siblings: list[tuple[int, float]]) -> int:
-        """How many of this round's prompt-lookup tokens to verify in place of the draft's
-        chain with ``probs`` and ``siblings``: the depth with the most expected tokens per
-        second under the lookup estimates, when that beats the draft's round; else 0 (and
-        always 0 without ``lookup_tokens`` or a proposal)."""
+    def _lookup_first(self, draft_logits: torch.Tensor) -> int | Fan | None:
+        """Before any draft step: prompt lookup's proposal, alone (its depth) or as a tree
+        beside the draft's most likely first tokens (free: their logits came with the
+        extension), when that promises more tokens per second than the best chain that the
+        draft's confidence in its first token and the position estimates beyond promise; else
+        ``None``. Such a round drafts nothing (it pays its verification and the round's other
+        time only); when the draft is drafted, :meth:`_with_lookup` weighs lookup again."""
+        if self.lookup is None:
+            return None
+        q, draft_ids = (
+            draft_logits.float().softmax(-1).topk(min(1 + self.max_siblings, len(draft_logits)))
+        )
+        ranked = list(
+            zip(self.draft_model.to_target_ids(draft_ids).tolist(), q.tolist(), strict=True)
+        )
+        (top, top_q), further = ranked[0], ranked[1:]
+        self.lookup.compare(top)
         rates, depth = self._lookup_plan()
         if not depth:
-            return 0
-        chain = [self.confidence.acceptance(q) for q in probs]
-        others = [self.sibling_confidence.acceptance(q) for _, q in siblings]
-        drafted = round_rate(chain, others, self.costs)
-        return depth if round_rate(rates[:depth], [], self.costs) > drafted else 0
+            return None
+        guess = [self.confidence.acceptance(top_q), *self.estimate.rates()[1:]]
+        drafted = max(round_rate(guess[:k], [], self.costs) for k in range(len(guess) + 1))
+        best, choice = round_rate(rates[:depth], [], self.costs), depth
+        if self.trees:
+            firsts = [([top], guess[:1])] + [
+                ([token], [self.sibling_confidence.acceptance(value)]) for token, value in further
+            ]
+            rate, tokens, count = self._lookup_tree([], firsts, 0, rates, least=1)
+            if rate > best:
+                best, choice = rate, Fan([top], [top_q], further, count - 1, tokens)
+        return choice if best > drafted else None
+
+    def _with_lookup(self, fan: Fan) -> int | Fan:
+        """After drafting: ``fan`` as drafted, prompt lookup's tokens alone (their count) in
+        its place, or both in one tree (the siblings chosen again beside them): whichever
+        promises the most tokens per second under the draft's calibrated confidence and the
+        lookup estimates (``fan`` without ``lookup_tokens`` or a proposal)."""
+        rates, depth = self._lookup_plan()
+        if not depth:
+            return fan
+        drafted = [(fan.chain, [self.confidence.acceptance(q) for q in fan.probs])]
+        others = [([token], [self.sibling_confidence.acceptance(q)]) for token, q in fan.ranked]
+        steps = len(fan.chain)
+        best = tree_rate(drafted + others[: fan.siblings], steps, self.costs)
+        choice: int | Fan = fan
+        if round_rate(rates[:depth], [], self.costs) > best:
+            best, choice = round_rate(rates[:depth], [], self.costs), depth
+        if self.trees and fan.chain:
+            rate, tokens, count = self._lookup_tree(drafted, others, steps, rates, least=0)
+            if rate > best:
+                choice = replace(fan, siblings=count, lookup=tokens)
+        return choice
+
+    def _lookup_tree(self, chains, others, steps: int, rates: list[float], *, least: int):
+        """The best tree of ``chains`` (``(tokens, acceptances)`` pairs, ``steps`` of them
+        drafted), prompt lookup's first ``m >= 1`` tokens and the first ``n >= least`` of
+        ``others``: its expected tokens per second (:func:`tree_rate`), those tokens and
+        ``n`` (the fewer on a tie)."""
+        proposal = self.lookup.proposal.tolist()
+        options = [(m, n) for m in range(1, len(rates) + 1) for n in range(least, len(others) + 1)]
+        rated = [
+            (tree_rate([*chains, (proposal[:m], rates[:m]), *others[:n]], steps, self.costs), m, n)
+            for m, n in options
+        ]
+        rate, m, n = max(rated, key=lambda option: (option[0], -option[1], -option[2]))
+        return rate, proposal[:m], n
 
     def _lookup_plan(self) -> tuple[list[float], int]:
         """Prompt lookup's acceptance estimates for this round's proposal and the depth with
@@ -613,23 +701,30 @@ class SpeculativeDecoder:
         crop_cache(target_cache, length + 1 + accepted)
         return proposal[:accepted].tolist() + [bonus], accepted, aux[:, : accepted + 1]
 
-    def _fan_round(self, next_token, length, tree, ranked, probs, candidate, target_cache, stats):
-        """Greedy ``auto``'s round with siblings: verify the chain and the siblings beside its
-        first token as ``tree`` (:func:`fan_tree`), accept the longest matching path, keep its
-        cache rows only. Returns what :meth:`_chain_round` does."""
+    def _fan_round(self, next_token, length, fan: Fan, target_cache, stats):
+        """Greedy ``auto``'s tree round: verify ``fan`` as one tree (:func:`merged_tree`),
+        accept the longest matching path, keep its cache rows only; the chain learns from the
+        target's tokens along it. Returns what :meth:`_chain_round` does."""
+        tree, paths = merged_tree(fan.chains(), self.device)
         target_logits, aux, seconds = self._verify_tree(
             tree, next_token, length, target_cache, stats
         )
         self.costs.observe_verify(1 + len(tree.tokens), seconds)  # the root and the tree
-        self._learn_siblings(ranked, target_logits)
+        self._learn_siblings(fan.ranked, target_logits)
         path, bonus = accept_greedy(tree, target_logits)
-        depth = len(probs)
-        chain_accepted = len(path) if path[:1] == [0] else 0  # node 0 is the chain's first
-        self._learn(depth, chain_accepted, bonus, probs, candidate)
-        stats.depth_per_round.append(depth)
-        stats.sibling_rounds += 1
-        if chain_accepted < len(path):
-            stats.sibling_hit_rounds.append(len(stats.accepted_per_round))
+        chain, accepted = paths[0], 0  # the chain's tokens on the accepted path
+        while accepted < min(len(path), len(chain)) and path[accepted] == chain[accepted]:
+            accepted += 1
+        # the target's token after them: the path's next, or the bonus where the path ends
+        after = int(tree.tokens[path[accepted]]) if accepted < len(path) else bonus
+        self._learn(len(chain), accepted, after, fan.probs, fan.candidate)
+        stats.depth_per_round.append(int(tree.depths.max()))
+        index = len(stats.accepted_per_round)
+        stats.sibling_rounds += bool(fan.siblings)
+        if fan.lookup:
+            stats.lookup_rounds.append(index)
+        if path[:1] in paths[2:]:  # a sibling (one node each), not the chain's first token
+            stats.sibling_hit_rounds.append(index)
         return self._keep_path(tree, path, bonus, length, target_cache, aux)
 
     def _verify_tree(self, tree, next_token: int, length: int, target_cache, stats):

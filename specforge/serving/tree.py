@@ -126,16 +126,30 @@ def build_tree(
     return prune(tokens, parents, depths, scores, num_draft_tokens - 1, device)
 
 
-def fan_tree(chain: torch.Tensor, siblings: torch.Tensor) -> DraftTree:
-    """A chain ``d_1 .. d_K`` (K >= 1) with ``siblings`` beside ``d_1`` (further candidates
-    for the first position) as a tree, parents first: ``d_1 .. d_K``, then the siblings (the
-    chain first, as :func:`prune` orders a tree)."""
-    depth = len(chain)
-    return DraftTree(
-        tokens=torch.cat([chain, siblings.to(chain.device)]),
-        parents=torch.tensor([-1, *range(depth - 1)] + [-1] * len(siblings), dtype=torch.long),
-        depths=torch.tensor([*range(1, depth + 1)] + [1] * len(siblings), dtype=torch.long),
+def merged_tree(chains: list[list[int]], device) -> tuple[DraftTree, list[list[int]]]:
+    """Chains of target ids after the root (a draft's chain, its first position's further
+    candidates, a prompt-lookup proposal) as one tree, a prefix several chains share being one
+    path: the tree (nodes in the order the chains reach them, so the first chain's come first,
+    as :func:`prune` orders a tree) and each chain's node indices."""
+    tokens, parents, depths, nodes = [], [], [], {}
+    paths = []
+    for chain in chains:
+        parent, path = -1, []
+        for depth, token in enumerate(chain, start=1):
+            if (parent, token) not in nodes:
+                nodes[parent, token] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+                depths.append(depth)
+            parent = nodes[parent, token]
+            path.append(parent)
+        paths.append(path)
+    tree = DraftTree(
+        tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+        parents=torch.tensor(parents, dtype=torch.long),
+        depths=torch.tensor(depths, dtype=torch.long),
     )
+    return tree, paths
 
 
 def frontier_mask(frontier, parents, entry, prefix: int, cache_length: int, device):

@@ -15,9 +15,10 @@ from specforge.serving.adaptive import (
     expected_tokens,
     first_acceptance,
     round_rate,
+    tree_rate,
 )
 from specforge.serving.sampling import accept_chain_sampling
-from specforge.serving.speculative import AUTO_MAX_DEPTH, SpeculativeDecoder
+from specforge.serving.speculative import AUTO_MAX_DEPTH, PromptLookup, SpeculativeDecoder
 from tests.helpers import StubDraft, greedy_reference
 from tests.serving.test_speculative import VOCAB, target  # noqa: F401
 
@@ -267,6 +268,73 @@ def test_siblings_are_verified_where_a_wider_verification_costs_little_and_not_w
     # the first position's candidates are exclusive: each adds its own acceptance
     assert round_rate([0.4], [0.2, 0.1], flat) == pytest.approx((1 + 0.4 + 0.3) / (0.036 + 0.0))
     assert round_rate([], [], steep) == pytest.approx(1 / 0.036)
+
+
+def test_a_tree_s_rate_counts_each_node_s_chance_once():
+    flat = CostModel(verify=[0.036] * 8, draft_step=0.0015)
+    chain_and_sibling = tree_rate([([1, 2], [0.5, 0.5]), ([3], [0.2])], 2, flat)
+    assert chain_and_sibling == pytest.approx(round_rate([0.5, 0.5], [0.2], flat))
+    # a proposal that shares the chain's first token: that node once, at the larger chance
+    shared = tree_rate([([1, 2], [0.5, 0.5]), ([1, 4], [0.6, 0.5])], 2, flat)
+    assert shared == pytest.approx((1 + 0.6 + 0.25 + 0.3) / flat.round_seconds(2, 1))
+    assert tree_rate([(list(range(8)), [0.9] * 8)], 0, flat) == 0.0  # wider than calibrated
+
+
+class OracleLookup(PromptLookup):
+    """Prompt lookup that proposes the target's continuation ``reference`` at the sequence
+    indices ``right`` accepts and another token at the others."""
+
+    def __init__(self, tokens: int, reference: list[int], right):
+        super().__init__(tokens)
+        self.reference, self.right = reference, right
+
+    def propose(self, prompt, output, *, awake):
+        start = prompt.shape[0] + len(output)
+        indices = range(start, min(start + self.tokens, len(self.reference)))
+        proposal = [self.reference[j] if self.right(j) else self.reference[j] + 1 for j in indices]
+        self.proposal = torch.tensor(proposal) if awake and proposal else None
+
+
+def test_prompt_lookup_learns_apart_where_the_draft_s_first_choice_agrees_with_it():
+    lookup = PromptLookup(3)
+    prompt = torch.tensor([5, 6, 7, 8, 5, 6])  # after the last "5 6": 7 8 5
+    for agree in [True, False] * 100:
+        lookup.propose(prompt, [], awake=True)
+        lookup.compare(7 if agree else 9)
+        lookup.learn([7, 8, 5] if agree else [1, 2, 3])
+    differing, agreeing = lookup.estimates
+    assert agreeing.rates()[0] > 0.95 and differing.rates()[0] < 0.05
+    lookup.propose(prompt, [], awake=False)
+    assert lookup.proposal is None and not lookup.agrees
+
+
+def test_auto_verifies_prompt_lookup_and_the_draft_in_one_tree(target):  # noqa: F811
+    """Where prompt lookup and the draft are each right at every other position (the draft
+    wherever lookup is wrong), a tree of both accepts a token in every round, where choosing
+    one of them misses about every other round."""
+    torch.manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    reference = greedy_reference(target, prompt, 120)
+
+    def lookup_right(index: int) -> bool:
+        return (index * 37) % 7 < 3
+
+    accepted = {}
+    for trees in (True, False):
+        # the stub draft's position t proposes sequence index t + 2
+        draft = StubDraft(reference, lambda t: lookup_right(t + 2), VOCAB)
+        decoder = SpeculativeDecoder(
+            target, draft, aux_layer_ids=[1, 1, 0], num_steps="auto", lookup_tokens=4
+        )
+        decoder.costs = FixedCosts(verify=[0.036] * (AUTO_MAX_DEPTH + 1), draft_step=0.0015)
+        decoder.lookup = OracleLookup(4, reference, lookup_right)
+        decoder.trees = trees
+        tokens, stats = decoder.generate(prompt, max_new_tokens=120)
+        assert tokens == reference[prompt.shape[1] :]
+        accepted[trees] = stats.accepted_per_round
+    assert accepted[True].count(0) <= 1  # the last round may have no proposal left
+    assert accepted[False].count(0) > 0.3 * len(accepted[False])
+    assert len(accepted[True]) < 0.8 * len(accepted[False])
 
 
 @pytest.mark.parametrize("runner_up", [0.9, None])

@@ -211,15 +211,20 @@ def test_gather_cache_keeps_the_prefix_and_the_accepted_rows_in_order(kind, rows
     assert cache.get_seq_length() == 6 + len(rows)
 
 
-def test_fan_tree_puts_the_siblings_beside_the_first_chain_token():
-    from specforge.serving.tree import fan_tree
+def test_merged_tree_puts_siblings_beside_the_chain_and_shares_common_prefixes():
+    from specforge.serving.tree import merged_tree
 
-    tree = fan_tree(torch.tensor([10, 11, 12]), torch.tensor([20, 21]))
+    tree, paths = merged_tree([[10, 11, 12], [20], [21]], "cpu")
     assert tree.tokens.tolist() == [10, 11, 12, 20, 21]  # the chain first: its rows stay put
     assert tree.parents.tolist() == [-1, 0, 1, -1, -1]
     assert tree.depths.tolist() == [1, 2, 3, 1, 1]
-    single = fan_tree(torch.tensor([10]), torch.tensor([20]))
-    assert single.parents.tolist() == [-1, -1] and single.depths.tolist() == [1, 1]
+    assert paths == [[0, 1, 2], [3], [4]]
+    # a proposal that shares the chain's first two tokens branches off after them
+    tree, paths = merged_tree([[10, 11, 12], [10, 11, 30, 31], [20], [10]], "cpu")
+    assert tree.tokens.tolist() == [10, 11, 12, 30, 31, 20]
+    assert tree.parents.tolist() == [-1, 0, 1, 1, 3, -1]
+    assert tree.depths.tolist() == [1, 2, 3, 3, 4, 1]
+    assert paths == [[0, 1, 2], [0, 1, 3, 4], [5], [0]]
 
 
 def test_pruned_tree_puts_the_greedy_chain_first_and_parents_before_children():
