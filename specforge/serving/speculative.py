@@ -346,9 +346,8 @@ class SpeculativeDecoder:
             lookup_tokens: greedy ``auto``: prompt-lookup proposals (the up to this many
                 tokens that followed the last n-gram's earlier occurrence,
                 :func:`~specforge.engine.prompt_lookup.ngram_candidates`) are verified instead
-                of the draft's, or beside them in one tree where the target can verify a tree,
-                in a round where their measured acceptance promises more tokens per second
-                (0: the draft's always).
+                of the draft's, or beside them in one tree, in a round where their measured
+                acceptance promises more tokens per second (0: the draft's always).
             engine: a :class:`~specforge.engine.target.TargetEngine` over ``target_model`` that
                 runs its forwards, or ``None``: transformers' forward with a growing cache.
             draft_engine: runs a chain's draft forwards (:class:`~specforge.engine.draft.
@@ -375,8 +374,7 @@ class SpeculativeDecoder:
         self.num_steps = num_steps
         self.topk = topk
         self.num_draft_tokens = num_draft_tokens
-        self.temperature = temperature
-        self.top_p = top_p
+        self.temperature, self.top_p = temperature, top_p
         self.generator: torch.Generator | None = None
         self.device = next(target_model.parameters()).device
         self.estimate = AcceptanceEstimate(num_steps) if self.auto else None
@@ -386,10 +384,8 @@ class SpeculativeDecoder:
         self.sibling_confidence = ConfidenceCalibration() if self.auto else None
         """The same for the first position's further candidates (greedy ``auto`` only)."""
         self.trees = not no_tree
-        """Whether the target can verify a tree (greedy ``auto``'s siblings and its trees of
-        the draft's and prompt lookup's tokens)."""
+        """Whether the target can verify a tree (greedy ``auto``'s siblings, lookup beside)."""
         self.max_siblings = max_siblings if self.trees else 0
-        """Siblings ``auto`` may verify: none where the target cannot verify a tree."""
         self.costs: CostModel | None = None
         """This device's round costs (``auto``; measured by :meth:`calibrate`)."""
         self.lookup = PromptLookup(min(lookup_tokens, num_steps)) if lookup_tokens else None
@@ -616,7 +612,7 @@ class SpeculativeDecoder:
         draft's confidence in its first token and the position estimates beyond promise; else
         ``None``. Such a round drafts nothing (it pays its verification and the round's other
         time only); when the draft is drafted, :meth:`_with_lookup` weighs lookup again."""
-        if self.lookup is None:
+        if self.lookup is None or self.lookup.proposal is None:
             return None
         q, draft_ids = (
             draft_logits.float().softmax(-1).topk(min(1 + self.max_siblings, len(draft_logits)))
@@ -654,8 +650,9 @@ class SpeculativeDecoder:
         steps = len(fan.chain)
         best = tree_rate(drafted + others[: fan.siblings], steps, self.costs)
         choice: int | Fan = fan
-        if round_rate(rates[:depth], [], self.costs) > best:
-            best, choice = round_rate(rates[:depth], [], self.costs), depth
+        alone = round_rate(rates[:depth], [], self.costs)
+        if alone > best:
+            best, choice = alone, depth
         if self.trees and fan.chain:
             rate, tokens, count = self._lookup_tree(drafted, others, steps, rates, least=0)
             if rate > best:
