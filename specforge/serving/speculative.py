@@ -593,19 +593,37 @@ class SpeculativeDecoder:
         alone, or a :class:`Fan` (a chain, alone or in a tree with siblings and lookup's
         tokens). Lookup is weighed first (:meth:`_lookup_first`); when the draft drafts, the
         chain and its siblings are weighed against and beside lookup (:meth:`_with_lookup`)."""
-        first = self._lookup_first(draft_logits)
+        needed = self.max_siblings or self.lookup is not None
+        ranked = self._first_candidates(draft_logits) if needed else []
+        first = self._lookup_first(ranked)
         if first is not None:
             return first
         draft_tokens, probs, candidate = self._draft_auto(
             draft_logits, hidden, position, draft_cache
         )
         draft_tokens, probs, candidate, ranked, siblings = self._siblings(
-            draft_logits, draft_tokens, probs, candidate
+            ranked, draft_tokens, probs, candidate
         )
         chain = [] if draft_tokens is None else draft_tokens.tolist()
         return self._with_lookup(Fan(chain, probs, ranked, siblings, candidate=candidate))
 
-    def _lookup_first(self, draft_logits: torch.Tensor) -> int | Fan | None:
+    def _first_candidates(self, draft_logits: torch.Tensor) -> list[tuple[int, float]]:
+        """The draft's most likely first tokens ``(target id, q)``, most likely first: enough
+        for its chain's first token and :attr:`max_siblings` others (what prompt lookup's tree
+        and the siblings choose from)."""
+        q, draft_ids = (
+            draft_logits.float().softmax(-1).topk(min(2 + self.max_siblings, len(draft_logits)))
+        )
+        return list(
+            zip(self.draft_model.to_target_ids(draft_ids).tolist(), q.tolist(), strict=True)
+        )
+
+    def _sibling_chains(self, ranked: list[tuple[int, float]]):
+        """Further first-position candidates ``(target id, q)`` as one-token chains with their
+        calibrated acceptance (what :func:`tree_rate` weighs)."""
+        return [([token], [self.sibling_confidence.acceptance(q)]) for token, q in ranked]
+
+    def _lookup_first(self, ranked: list[tuple[int, float]]) -> int | Fan | None:
         """Before any draft step: prompt lookup's proposal, alone (its depth) or as a tree
         beside the draft's most likely first tokens (free: their logits came with the
         extension), when that promises more tokens per second than the best chain that the
@@ -614,13 +632,7 @@ class SpeculativeDecoder:
         time only); when the draft is drafted, :meth:`_with_lookup` weighs lookup again."""
         if self.lookup is None or self.lookup.proposal is None:
             return None
-        q, draft_ids = (
-            draft_logits.float().softmax(-1).topk(min(1 + self.max_siblings, len(draft_logits)))
-        )
-        ranked = list(
-            zip(self.draft_model.to_target_ids(draft_ids).tolist(), q.tolist(), strict=True)
-        )
-        (top, top_q), further = ranked[0], ranked[1:]
+        (top, top_q), further = ranked[0], ranked[1 : 1 + self.max_siblings]
         self.lookup.compare(top)
         rates, depth = self._lookup_plan()
         if not depth:
@@ -629,9 +641,7 @@ class SpeculativeDecoder:
         drafted = max(round_rate(guess[:k], [], self.costs) for k in range(len(guess) + 1))
         best, choice = round_rate(rates[:depth], [], self.costs), depth
         if self.trees:
-            firsts = [([top], guess[:1])] + [
-                ([token], [self.sibling_confidence.acceptance(value)]) for token, value in further
-            ]
+            firsts = [([top], guess[:1]), *self._sibling_chains(further)]
             rate, tokens, count = self._lookup_tree([], firsts, 0, rates, least=1)
             if rate > best:
                 best, choice = rate, Fan([top], [top_q], further, count - 1, tokens)
@@ -646,7 +656,7 @@ class SpeculativeDecoder:
         if not depth:
             return fan
         drafted = [(fan.chain, [self.confidence.acceptance(q) for q in fan.probs])]
-        others = [([token], [self.sibling_confidence.acceptance(q)]) for token, q in fan.ranked]
+        others = self._sibling_chains(fan.ranked)
         steps = len(fan.chain)
         best = tree_rate(drafted + others[: fan.siblings], steps, self.costs)
         choice: int | Fan = fan
@@ -780,24 +790,18 @@ class SpeculativeDecoder:
                 return torch.cat(tokens), probs, None
             logits, hidden = self._draft_step(token, hidden, position + depth, cache)
 
-    def _siblings(self, logits: torch.Tensor, tokens, probs: list[float], candidate):
-        """Greedy ``auto``: the first position's next most likely draft tokens and how many of
-        them to verify beside the chain (:func:`best_siblings`); a plain round becomes a
-        depth-1 round when its first token and siblings together pay. Returns the chain's
-        tokens, probabilities and declined candidate (updated when a plain round drafts), the
-        ranked further candidates ``(target id, q)`` and how many of them to verify."""
+    def _siblings(self, candidates, tokens, probs: list[float], candidate):
+        """Greedy ``auto``: the first position's next most likely draft tokens (of
+        ``candidates``, :meth:`_first_candidates`) and how many of them to verify beside the
+        chain (:func:`best_siblings`); a plain round becomes a depth-1 round when its first
+        token and siblings together pay. Returns the chain's tokens, probabilities and declined
+        candidate (updated when a plain round drafts), the ranked further candidates
+        ``(target id, q)`` and how many of them to verify."""
         if not self.max_siblings:
             return tokens, probs, candidate, [], 0
-        q, draft_ids = logits.float().softmax(-1).topk(min(2 + self.max_siblings, len(logits)))
-        # (C,) target ids, most likely first; the chain's own first token is not a sibling
+        # the chain's own first token is not a sibling
         first = int(tokens[0]) if tokens is not None else None
-        ranked = [
-            (token, value)
-            for token, value in zip(
-                self.draft_model.to_target_ids(draft_ids).tolist(), q.tolist(), strict=True
-            )
-            if token != first
-        ]
+        ranked = [(token, value) for token, value in candidates if token != first]
         if first is None:  # a plain round, unless the most likely token and its siblings pay
             (top, top_q), ranked = ranked[0], ranked[1 : 1 + self.max_siblings]
             chain = [self.confidence.acceptance(top_q)]
