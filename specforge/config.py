@@ -697,7 +697,8 @@ class QuickstartConfig:
     """Budget of the whole quickstart (prepare, train, export, bench). Prepare runs to the
     end (growing the corpus within ``data_share``); training then gets what is left after the
     bench's estimated time (its turns x ``bench.max_new_tokens`` at the bench target's measured
-    per-token time) and stops at ``train.max_steps`` or there, whichever comes first
+    per-token times through HF ``generate`` and through the engine, and the engine's measured
+    compilation) and stops at ``train.max_steps`` or there, whichever comes first
     (``train.max_minutes``). A rerun counts the first run's prepare time, corpus size and
     estimate (``<output_dir>/quickstart.json``) and training's so far. ``null``: the recipe as
     it says (``synthesize.count``, ``train.max_steps``, ``train.max_minutes``)."""

@@ -1,11 +1,16 @@
 import json
+import logging
+import re
 
 import pytest
 
 from specforge.config import ConfigError, QuickstartConfig, load_config
 from specforge.errors import UserError
 from specforge.recipes.quickstart import (
+    COMPILATIONS,
+    DRAFTING_PASSES,
     _train_budget,
+    estimate_bench_seconds,
     next_round_fits,
     quickstart_config,
     train_minutes,
@@ -63,6 +68,40 @@ def test_the_bench_estimate_is_timed_once_and_kept_for_reruns(tmp_path, tiny_tar
     assert json.loads((tmp_path / "out" / "quickstart.json").read_text()) == plan
 
 
+def test_the_bench_estimate_times_the_target_through_hf_and_the_compiled_engine(
+    tmp_path, tiny_target_dir, caplog
+):
+    """The estimate: every turn at HF generate's per-token time once and at the engine's for
+    the engine's passes (the target alone, the draft's margin, prompt lookup), plus the
+    bench's compilations, each as the log reports it."""
+    questions = _questions(tmp_path / "q.jsonl", turns_per_question=2, questions=3)
+    cfg = load_config(
+        None,
+        [
+            f"target.name_or_path={tiny_target_dir}",
+            f"bench.questions={questions}",
+            "bench.max_new_tokens=16",
+            "bench.prompt_lookup_num_tokens=10",
+            "engine.compile=true",
+        ],
+    )
+    with caplog.at_level(logging.INFO, logger="specforge.recipes.quickstart"):
+        seconds = estimate_bench_seconds(cfg)
+    timed = re.search(
+        r"([\d.]+) ms a token through HF generate, ([\d.]+) through the engine \(its decoding "
+        r"graph compiled in (\d+) s\)",
+        caplog.text,
+    )
+    hf, engine, compiled = (float(value) for value in timed.groups())
+    passes = 1 + DRAFTING_PASSES + 1
+    expected = 6 * 16 * (hf + passes * engine) / 1000 + COMPILATIONS * compiled
+    # the log rounds each figure: 0.05 ms a token, half a second of compilation
+    assert seconds == pytest.approx(expected, abs=COMPILATIONS * 0.5 + 0.05)
+    assert hf > 0 and engine > 0
+    sglang = load_config(None, [f"bench.questions={questions}", "bench.engine=sglang"])
+    assert estimate_bench_seconds(sglang) == 0.0
+
+
 def test_a_plan_from_before_the_estimate_keeps_its_prepare_time(tmp_path, tiny_target_dir):
     out = tmp_path / "out"
     out.mkdir()
@@ -76,6 +115,7 @@ def test_a_plan_from_before_the_estimate_keeps_its_prepare_time(tmp_path, tiny_t
             f"bench.questions={questions}",
             "bench.max_new_tokens=8",
             "quickstart.minutes=60",
+            "engine.compile=false",  # the estimate times the eager engine, compiling nothing
         ],
     )
     budget = _train_budget(cfg, prepare_seconds=5).train.max_minutes

@@ -26,6 +26,7 @@ from specforge.models.int8_linear import quantize_linears
 from specforge.models.packed_linear import prepack_linears
 from specforge.models.target import load_target, load_tokenizer
 from specforge.recipes.stage import start_stage
+from specforge.serving.adaptive import ConfidenceCalibration
 from specforge.serving.bench import BenchTally, MethodComparison, bench_report, write_report
 from specforge.serving.export import exported_aux_layer_ids, load_exported_draft
 from specforge.serving.speculative import SpeculativeDecoder
@@ -141,10 +142,12 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
             **decoder.costs.as_dict(),
             "final_acceptance_estimate": [round(r, 4) for r in decoder.estimate.rates()],
             # greedy: measured acceptance at the centre of each bin of the draft's confidence
-            "acceptance_by_confidence": [
-                round(decoder.confidence.acceptance((b + 0.5) / decoder.confidence.bins), 3)
-                for b in range(decoder.confidence.bins)
-            ],
+            "acceptance_by_confidence": _by_bin(decoder.confidence),
+            # the draft's first token where prompt lookup proposes another first token, the same
+            "first_acceptance_by_confidence_with_lookup": {
+                "differs": _by_bin(decoder.lookup_confidence[False]),
+                "agrees": _by_bin(decoder.lookup_confidence[True]),
+            },
         }
     result = bench_report(tally, bench_settings(cfg, questions_source), calibration)
     if comparison.engine is not None:
@@ -156,6 +159,14 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
         result["engine"] = None
     write_report(result, cfg.bench_dir)
     return result
+
+
+def _by_bin(calibration: ConfidenceCalibration) -> list[float]:
+    """The acceptance a confidence calibration measured at the centre of each of its bins."""
+    return [
+        round(calibration.acceptance((b + 0.5) / calibration.bins), 3)
+        for b in range(calibration.bins)
+    ]
 
 
 def _bench_sglang(cfg: SpecForgeConfig, questions: str) -> dict[str, Any]:

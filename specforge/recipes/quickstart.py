@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,12 @@ import torch
 from specforge.config import DEFAULT_RECIPE, QuickstartConfig, SpecForgeConfig, load_config
 from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.questions import load_questions
+from specforge.engine.prompt_lookup import prompt_lookup_generate
+from specforge.engine.target import build_engine
 from specforge.errors import UserError
 from specforge.io import write_json_atomic
-from specforge.models.target import load_target
+from specforge.models.adapter import text_config
+from specforge.models.target import default_aux_layer_ids, load_target
 from specforge.recipes.bench import bench
 from specforge.recipes.export import export
 from specforge.recipes.prepare import prepare
@@ -73,13 +77,15 @@ def quickstart_config(overrides: list[str] | None = None) -> SpecForgeConfig:
     return load_config(DEFAULT_RECIPE, [*QUICKSTART_OVERRIDES, *(overrides or [])])
 
 
-DRAFTING_PASSES = 1.5
-"""The bench's speculative pass over a turn, in passes of the target alone: it ran at 0.7-1.2x
-the target's speed on the CPUs measured (docs/results.md), so 1.5 leaves a margin."""
+DRAFTING_PASSES = 2.0
+"""The bench's speculative pass over a turn, in passes of the target alone through the same
+engine: it ran at 0.57-1.2x that speed on the CPUs measured (the slowest a draft trained for
+ten minutes, docs/results.md), so 2.0 leaves a margin."""
 
-ENGINE_WARM_UP_SECONDS = 150.0
-"""The bench's compilation of the engine with a cold compile cache, on a 2-core CPU (the
-warm-up ``bench.json`` reports; docs/results.md), rounded up."""
+COMPILATIONS = 2.0
+"""The bench's compilation of the engine, in compilations of the decoding graph as the
+estimate times it: the bench compiles its verification graph (1.4x as long, cold, on 2 CPU
+cores) and takes its decoding graph from the compile cache that compilation filled (0.3x)."""
 
 TIMED_TOKENS = 32
 """Greedy tokens timed to estimate the bench's per-token cost (after one untimed warm-up)."""
@@ -87,11 +93,13 @@ TIMED_TOKENS = 32
 
 def estimate_bench_seconds(cfg: SpecForgeConfig) -> float:
     """The export and bench's time, from the bench's own workload: every turn of
-    ``bench.questions`` decodes up to ``bench.max_new_tokens`` tokens with the target alone,
-    twice (HF ``generate`` and the engine), with the draft (:data:`DRAFTING_PASSES`) and, when
-    on, with prompt lookup, plus the engine's compilation, each token at the
-    per-token time of the target loaded as the bench loads it (``bench.dtype``), timed on the
-    first question's first turn. 0 for ``bench.engine: sglang`` (the server decodes)."""
+    ``bench.questions`` decodes up to ``bench.max_new_tokens`` tokens with the target alone
+    through HF ``generate`` and through the engine, with the draft (:data:`DRAFTING_PASSES`
+    passes through the engine) and, when on, with prompt lookup (through the engine), plus the
+    engine's compilation. Each per-token time is timed on the first question's first turn, with
+    the target loaded as the bench loads it (``bench.dtype``) and the engine built as it builds
+    it (``engine.compile``; its first decoding compiles, :data:`COMPILATIONS`). 0 for
+    ``bench.engine: sglang`` (the server decodes)."""
     bc = cfg.bench
     if bc.engine != "builtin":
         return 0.0
@@ -100,23 +108,46 @@ def estimate_bench_seconds(cfg: SpecForgeConfig) -> float:
     target, tokenizer = load_target(cfg.target, dtype=bc.dtype)
     messages = [{"role": "user", "content": questions[0].turns[0]}]
     ids = torch.tensor([prompt_ids(tokenizer, messages)], device=cfg.target.device)
-
     eos = end_of_turn_ids(tokenizer, target.generation_config)
     pad = pad_id_of(tokenizer, target.generation_config)
-
-    def decode(tokens: int) -> None:
-        greedy_generate(
+    hf_per_token = _per_token(
+        lambda tokens: greedy_generate(
             target, ids, tokens, eos_token_ids=eos, pad_token_id=pad, min_new_tokens=tokens
         )
+    )
+    layers = text_config(target.config).num_hidden_layers
+    engine = build_engine(
+        target, aux_layer_ids=default_aux_layer_ids(layers), compile=cfg.engine.compile
+    )
+    engine_per_token, compile_seconds = hf_per_token, 0.0
+    if engine is not None:  # else the bench decodes through transformers too
 
-    decode(4)  # warm-up: allocations and lazy initialisation
+        def through_engine(tokens: int) -> list[int]:  # greedy: no proposals to verify
+            return prompt_lookup_generate(engine, ids, max_new_tokens=tokens, num_tokens=0)[0]
+
+        engine_per_token = _per_token(through_engine)
+        compile_seconds = COMPILATIONS * engine.stats.compile_seconds
+        logger.info(
+            "the bench's target: %.1f ms a token through HF generate, %.1f through the engine "
+            "(its decoding graph compiled in %.0f s)",
+            1000 * hf_per_token,
+            1000 * engine_per_token,
+            engine.stats.compile_seconds,
+        )
+    # the target alone through the engine, the draft, prompt lookup
+    passes = 1 + DRAFTING_PASSES + (1 if bc.prompt_lookup_num_tokens else 0)
+    per_turn = bc.max_new_tokens * (hf_per_token + passes * engine_per_token)
+    return turns * per_turn + compile_seconds
+
+
+def _per_token(decode: Callable[[int], list[int]]) -> float:
+    """The seconds a token of ``decode(tokens)`` (up to ``tokens`` greedy tokens) takes, timed
+    over :data:`TIMED_TOKENS` after an untimed warm-up of 4 (allocations, lazy
+    initialisation, compilation)."""
+    decode(4)
     start = time.perf_counter()
-    decode(TIMED_TOKENS)
-    seconds_per_token = (time.perf_counter() - start) / TIMED_TOKENS
-    # the target alone through HF generate and through the engine, the draft, prompt lookup
-    passes = 2 + DRAFTING_PASSES + (1 if bc.prompt_lookup_num_tokens else 0)
-    warm_up = ENGINE_WARM_UP_SECONDS if cfg.engine.compile != "false" else 0.0
-    return turns * bc.max_new_tokens * passes * seconds_per_token + warm_up
+    tokens = len(decode(TIMED_TOKENS))
+    return (time.perf_counter() - start) / max(tokens, 1)
 
 
 def train_minutes(qc: QuickstartConfig, prepare_seconds: float, bench_seconds: float) -> float:
@@ -208,14 +239,17 @@ def _prepare_within_budget(cfg: SpecForgeConfig) -> tuple[SpecForgeConfig, float
 
 
 def _train_budget(cfg: SpecForgeConfig, prepare_seconds: float) -> SpecForgeConfig:
-    """``cfg`` with ``train.max_minutes`` from the quickstart's budget. The bench's estimate is
-    the first run's, kept in ``<output_dir>/quickstart.json`` beside prepare's time: a rerun
-    (whose prepare finds its work done) aims at the same budget."""
+    """``cfg`` with ``train.max_minutes`` from the quickstart's budget. The bench's estimate
+    (with the time the estimate itself took) is the first run's, kept in
+    ``<output_dir>/quickstart.json`` beside prepare's time: a rerun (whose prepare finds its
+    work done) aims at the same budget."""
     plan = _read_plan(cfg)
     if "bench_seconds" not in plan:
+        start = time.perf_counter()
+        estimate = estimate_bench_seconds(cfg)  # its own time counts too (a compilation)
         plan.update(
             prepare_seconds=round(plan.get("prepare_seconds", prepare_seconds), 1),
-            bench_seconds=round(estimate_bench_seconds(cfg), 1),
+            bench_seconds=round(estimate + time.perf_counter() - start, 1),
         )
         _write_plan(cfg, plan)
     minutes = train_minutes(cfg.quickstart, plan["prepare_seconds"], plan["bench_seconds"])

@@ -30,7 +30,9 @@ pick the depth that maximises expected tokens per second on this device.
   ``E`` (its ``q`` calibrated apart, :class:`ConfidenceCalibration`, learnt every round from
   the target's first token, which every verification computes), for one more verified token.
   On a CPU, where verifying 4 tokens costs little more than 2, that buys accepted tokens a
-  deeper chain cannot.
+  deeper chain cannot. A tree's verification (its mask and positions) costs a little more than
+  a chain's of the same width: the excess is learnt apart from the chain widths
+  (:attr:`CostModel.tree_extra`).
 - **Dormancy** (:class:`Dormancy`): while plain decoding wins, the draft need not follow every
   token. After a plain round that the position estimates chose too (not one where a single
   token the draft was unsure of stopped a draft that pays in general), it sleeps for a span of
@@ -66,6 +68,10 @@ class CostModel:
     other: float = 0.0
     """Per round, outside drafting and verification (the draft's extension over the accepted
     tokens, acceptance, cache crops, Python): a running average the runtime keeps."""
+    tree_extra: float = 0.0
+    """What verifying a tree (siblings, prompt lookup beside the draft) costs beyond a chain
+    of the same width, its tree mask and positions: a running average of tree verifications'
+    excess over the chain estimate of their width, 0 until one is seen."""
     calibrated: list[float] = field(init=False)
     """``verify`` as measured at start-up (:meth:`observe_verify` moves ``verify`` since)."""
 
@@ -87,22 +93,28 @@ class CostModel:
     def max_depth(self) -> int:
         return len(self.verify) - 1
 
-    def round_seconds(self, depth: int, siblings: int = 0) -> float:
-        """``T(K)``: a round of depth ``K`` (with ``siblings`` more first-position candidates
-        verified beside its chain). Its first draft token comes with the draft's extension
+    def round_seconds(self, depth: int, siblings: int = 0, *, tree: bool = False) -> float:
+        """``T(K)``: a round of depth ``K`` (with ``siblings`` more tokens verified beside its
+        chain, as a ``tree`` or not). Its first draft token comes with the draft's extension
         over the last round's tokens (in ``other``, paid at every depth, 0 included), so
         drafting ``K`` tokens takes ``K - 1`` draft steps; siblings cost only their
         verification (their logits came with the extension)."""
         width = depth + siblings  # verify[n - 1] is n tokens: the last token, then these
-        return self.verify[width] + max(depth - 1, 0) * self.draft_step + self.other
+        verify = self.verify[width] + (self.tree_extra if tree else 0.0)
+        return verify + max(depth - 1, 0) * self.draft_step + self.other
 
-    def observe_verify(self, width: int, seconds: float) -> None:
+    def observe_verify(self, width: int, seconds: float, *, tree: bool = False) -> None:
         """A verification of ``width`` tokens measured during generation: the start-up
         figure becomes a running average of what rounds of that width really cost (the
         context grows; a calibration timed in a noisy moment is corrected by the depths it
         makes the picker choose), a stall counting as :attr:`stall` times the estimate; the
-        other widths :attr:`follow` the machine's speed seen there."""
+        other widths :attr:`follow` the machine's speed seen there. A ``tree``'s seconds
+        feed :attr:`tree_extra` instead (its excess over the chain of its width)."""
         index = width - 1
+        if tree:
+            seconds = min(seconds, self.stall * (self.verify[index] + self.tree_extra))
+            self.tree_extra += self.adapt * (seconds - self.verify[index] - self.tree_extra)
+            return
         seconds = min(seconds, self.stall * self.verify[index])
         self.verify[index] += self.adapt * (seconds - self.verify[index])
         speed = self.verify[index] / self.calibrated[index]
@@ -120,6 +132,7 @@ class CostModel:
             "verify_ms": [round(1000 * s, 3) for s in self.verify],
             "draft_step_ms": round(1000 * self.draft_step, 3),
             "other_ms": round(1000 * self.other, 3),
+            "tree_extra_ms": round(1000 * self.tree_extra, 3),
         }
 
 
@@ -138,9 +151,8 @@ def round_rate(chain: list[float], siblings: list[float], costs: CostModel) -> f
     acceptances ``siblings`` (exclusive of the chain's first token and of each other: the
     target has one token there): ``K + 1 + len(siblings)`` tokens verified."""
     depth = len(chain)
-    return (expected_tokens(chain, depth) + sum(siblings)) / costs.round_seconds(
-        depth, len(siblings)
-    )
+    seconds = costs.round_seconds(depth, len(siblings), tree=bool(siblings))
+    return (expected_tokens(chain, depth) + sum(siblings)) / seconds
 
 
 def tree_rate(chains: list[tuple[list[int], list[float]]], depth: int, costs: CostModel) -> float:
@@ -148,8 +160,9 @@ def tree_rate(chains: list[tuple[list[int], list[float]]], depth: int, costs: Co
     acceptance of each given the ones before) merged into one tree (a shared prefix verified
     once), of which the first ``depth`` tokens of the first chain were drafted step by step.
     Each node adds the chance that its path is accepted (the most any chain through it
-    promises): the accepted path is one path, so ``E = 1 + sum`` over the nodes. A tree wider
-    than the widths calibrated promises nothing (0)."""
+    promises): the accepted path is one path, so ``E = 1 + sum`` over the nodes. More than
+    one chain is verified as a tree (:attr:`CostModel.tree_extra`), even where they share
+    every token. A tree wider than the widths calibrated promises nothing (0)."""
     reach: dict[tuple[int, ...], float] = {}
     for tokens, rates in chains:
         path, chance = (), 1.0
@@ -158,7 +171,8 @@ def tree_rate(chains: list[tuple[list[int], list[float]]], depth: int, costs: Co
             reach[path] = max(reach.get(path, 0.0), chance)
     if len(reach) > costs.max_depth:
         return 0.0
-    return (1 + sum(reach.values())) / costs.round_seconds(depth, len(reach) - depth)
+    seconds = costs.round_seconds(depth, len(reach) - depth, tree=len(chains) > 1)
+    return (1 + sum(reach.values())) / seconds
 
 
 def best_siblings(candidates: list[float], chain: list[float], costs: CostModel) -> int:

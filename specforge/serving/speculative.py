@@ -381,6 +381,12 @@ class SpeculativeDecoder:
         """Running conditional acceptance per draft position (``auto`` only)."""
         self.confidence = ConfidenceCalibration() if self.auto else None
         """Acceptance given the draft's own probability of its token (greedy ``auto`` only)."""
+        self.lookup_confidence = (
+            (ConfidenceCalibration(), ConfidenceCalibration()) if self.auto else None
+        )
+        """The same for the draft's first token in a round where prompt lookup proposes
+        another first token, and where it proposes the same (the target's token is less
+        often the draft's where they differ, more often where they agree)."""
         self.sibling_confidence = ConfidenceCalibration() if self.auto else None
         """The same for the first position's further candidates (greedy ``auto`` only)."""
         self.trees = not no_tree
@@ -637,7 +643,7 @@ class SpeculativeDecoder:
         rates, depth = self._lookup_plan()
         if not depth:
             return None
-        guess = [self.confidence.acceptance(top_q), *self.estimate.rates()[1:]]
+        guess = [self._calibration(1).acceptance(top_q), *self.estimate.rates()[1:]]
         drafted = max(round_rate(guess[:k], [], self.costs) for k in range(len(guess) + 1))
         best, choice = round_rate(rates[:depth], [], self.costs), depth
         if self.trees:
@@ -655,7 +661,7 @@ class SpeculativeDecoder:
         rates, depth = self._lookup_plan()
         if not depth:
             return fan
-        drafted = [(fan.chain, [self.confidence.acceptance(q) for q in fan.probs])]
+        drafted = [(fan.chain, self._calibrated(fan.probs))]
         others = self._sibling_chains(fan.ranked)
         steps = len(fan.chain)
         best = tree_rate(drafted + others[: fan.siblings], steps, self.costs)
@@ -716,7 +722,7 @@ class SpeculativeDecoder:
         target_logits, aux, seconds = self._verify_tree(
             tree, next_token, length, target_cache, stats
         )
-        self.costs.observe_verify(1 + len(tree.tokens), seconds)  # the root and the tree
+        self.costs.observe_verify(1 + len(tree.tokens), seconds, tree=True)  # root and tree
         self._learn_siblings(fan.ranked, target_logits)
         path, bonus = accept_greedy(tree, target_logits)
         chain, accepted = paths[0], 0  # the chain's tokens on the accepted path
@@ -778,7 +784,7 @@ class SpeculativeDecoder:
             q, draft_id = logits.float().softmax(-1).max(-1)
             token, q = self.draft_model.to_target_ids(draft_id[None]), float(q)
             depth = len(tokens)
-            guess = [*known, self.confidence.acceptance(q), *rates[depth + 1 :]]
+            guess = [*known, self._calibration(depth + 1).acceptance(q), *rates[depth + 1 :]]
             if best_depth(guess, self.costs) <= depth:
                 # K x (1,) -> (K,)
                 return (torch.cat(tokens) if tokens else None), probs, (int(token), q)
@@ -804,7 +810,7 @@ class SpeculativeDecoder:
         ranked = [(token, value) for token, value in candidates if token != first]
         if first is None:  # a plain round, unless the most likely token and its siblings pay
             (top, top_q), ranked = ranked[0], ranked[1 : 1 + self.max_siblings]
-            chain = [self.confidence.acceptance(top_q)]
+            chain = [self._calibration(1).acceptance(top_q)]
             rates = [self.sibling_confidence.acceptance(value) for _, value in ranked]
             count = best_siblings(rates, chain, self.costs)
             plain = round_rate([], [], self.costs)
@@ -812,7 +818,7 @@ class SpeculativeDecoder:
                 return tokens, probs, candidate, ranked, 0
             return torch.tensor([top], device=self.device), [top_q], None, ranked, count
         ranked = ranked[: self.max_siblings]
-        chain = [self.confidence.acceptance(value) for value in probs]
+        chain = self._calibrated(probs)
         rates = [self.sibling_confidence.acceptance(value) for _, value in ranked]
         return tokens, probs, candidate, ranked, best_siblings(rates, chain, self.costs)
 
@@ -827,9 +833,21 @@ class SpeculativeDecoder:
         guess = None if candidate is None else candidate[0] == bonus
         self.estimate.observe(depth, accepted, guess)
         for k, q in enumerate(probs[: accepted + 1], start=1):
-            self.confidence.observe(q, k <= accepted)
+            self._calibration(k).observe(q, k <= accepted)
         if candidate is not None and accepted == depth:
-            self.confidence.observe(candidate[1], guess)
+            self._calibration(depth + 1).observe(candidate[1], guess)
+
+    def _calibration(self, position: int) -> ConfidenceCalibration:
+        """The confidence calibration of the draft's token at ``position`` (1: the first)
+        this round: the first's apart where prompt lookup proposes (:attr:`lookup_confidence`,
+        by whether its first token is the draft's)."""
+        if position == 1 and self.lookup is not None and self.lookup.proposal is not None:
+            return self.lookup_confidence[self.lookup.agrees]
+        return self.confidence
+
+    def _calibrated(self, probs: list[float]) -> list[float]:
+        """The calibrated acceptance of a chain whose tokens the draft gave ``probs``."""
+        return [self._calibration(k).acceptance(q) for k, q in enumerate(probs, start=1)]
 
     def _plain_round(self, next_token: int, target_cache, stats: SpecStats):
         """A round the draft sleeps through (``auto``'s dormancy): the target decodes one

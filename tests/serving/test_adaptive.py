@@ -282,16 +282,19 @@ def test_a_tree_s_rate_counts_each_node_s_chance_once():
 
 class OracleLookup(PromptLookup):
     """Prompt lookup that proposes the target's continuation ``reference`` at the sequence
-    indices ``right`` accepts and another token at the others."""
+    indices ``right`` accepts and another token (``reference + wrong``) at the others."""
 
-    def __init__(self, tokens: int, reference: list[int], right):
+    def __init__(self, tokens: int, reference: list[int], right, wrong: int = 1):
         super().__init__(tokens)
-        self.reference, self.right = reference, right
+        self.reference, self.right, self.wrong = reference, right, wrong
 
     def propose(self, prompt, output, *, awake):
         start = prompt.shape[0] + len(output)
         indices = range(start, min(start + self.tokens, len(self.reference)))
-        proposal = [self.reference[j] if self.right(j) else self.reference[j] + 1 for j in indices]
+        proposal = [
+            self.reference[j] if self.right(j) else (self.reference[j] + self.wrong) % VOCAB
+            for j in indices
+        ]
         self.proposal = torch.tensor(proposal) if awake and proposal else None
 
 
@@ -335,6 +338,51 @@ def test_auto_verifies_prompt_lookup_and_the_draft_in_one_tree(target):  # noqa:
     assert accepted[True].count(0) <= 1  # the last round may have no proposal left
     assert accepted[False].count(0) > 0.3 * len(accepted[False])
     assert len(accepted[True]) < 0.8 * len(accepted[False])
+
+
+def test_auto_calibrates_the_draft_s_first_token_apart_by_prompt_lookup_s_agreement(target):  # noqa: F811
+    """Where the draft is right exactly where prompt lookup is (and each wrong token is
+    another), agreeing with lookup means right and differing means wrong: the first token's
+    calibrations learn that apart, whatever the draft's own probability says."""
+    torch.manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    reference = greedy_reference(target, prompt, 120)
+
+    def right(index: int) -> bool:
+        return (index * 37) % 7 < 4
+
+    draft = StubDraft(reference, lambda t: not right(t + 2), VOCAB)  # position t: index t + 2
+    decoder = SpeculativeDecoder(
+        target, draft, aux_layer_ids=[1, 1, 0], num_steps="auto", lookup_tokens=4
+    )
+    decoder.costs = FixedCosts(verify=[0.036] * (AUTO_MAX_DEPTH + 1), draft_step=0.0015)
+    decoder.lookup = OracleLookup(4, reference, right, wrong=2)
+    tokens, _ = decoder.generate(prompt, max_new_tokens=120)
+    assert tokens == reference[prompt.shape[1] :]
+    q = 1.0 / (1.0 + (VOCAB - 1) / torch.e)  # the stub's probability of its proposal
+    differs, agrees = decoder.lookup_confidence
+    assert agrees.acceptance(q) > 0.9 and differs.acceptance(q) < 0.1
+    assert sum(differs.counts.trials) > 5 and sum(agrees.counts.trials) > 5
+
+
+def test_a_tree_s_verification_cost_is_learnt_apart_from_the_chain_widths():
+    costs = CostModel(verify=[0.04, 0.042, 0.044, 0.046], draft_step=0.002)
+    for _ in range(200):
+        costs.observe_verify(3, 0.050, tree=True)  # 6 ms over the chain of its width
+    assert costs.verify == [0.04, 0.042, 0.044, 0.046]  # the chain widths keep their figures
+    assert costs.tree_extra == pytest.approx(0.006, rel=1e-3)
+    assert costs.round_seconds(1, 1, tree=True) == pytest.approx(0.044 + 0.006)
+    assert costs.round_seconds(1, 1) == pytest.approx(0.044)
+    # a sibling or a second chain is verified as a tree and pays it; one chain does not
+    assert round_rate([0.5], [0.2], costs) == pytest.approx(1.7 / 0.050)
+    assert tree_rate([([1, 2], [0.5, 0.5])], 2, costs) == pytest.approx(
+        round_rate([0.5, 0.5], [], costs)
+    )
+    two = tree_rate([([1], [0.5]), ([1], [0.6])], 1, costs)  # the same token: still a tree
+    assert two == pytest.approx(1.6 / 0.048)
+    costs.observe_verify(3, 5.0, tree=True)  # a stall counts as twice the tree's estimate
+    assert costs.tree_extra == pytest.approx(0.006 + CostModel.adapt * 0.050, rel=1e-3)
+    assert costs.as_dict()["tree_extra_ms"] == pytest.approx(1000 * costs.tree_extra, abs=1e-3)
 
 
 @pytest.mark.parametrize("runner_up", [0.9, None])
