@@ -364,16 +364,13 @@ class SpeculativeDecoder:
         refusal = serving_refusal(target_model) or (topk > 1 and no_tree)
         if refusal:
             raise UserError(refusal)
-        self.target = target_model
-        self.engine = engine
+        self.target, self.engine = target_model, engine
         self.transform = check_logits(target_model)
         """What the target does to ``lm_head``'s output (verification uses its logits)."""
         self.draft_model = draft_model
         self.draft_engine = _chain_draft_engine(draft_model, topk, engine, draft_engine)
-        self.aux_layer_ids = list(aux_layer_ids)
-        self.num_steps = num_steps
-        self.topk = topk
-        self.num_draft_tokens = num_draft_tokens
+        self.aux_layer_ids, self.num_steps = list(aux_layer_ids), num_steps
+        self.topk, self.num_draft_tokens = topk, num_draft_tokens
         self.temperature, self.top_p = temperature, top_p
         self.generator: torch.Generator | None = None
         self.device = next(target_model.parameters()).device
@@ -381,12 +378,9 @@ class SpeculativeDecoder:
         """Running conditional acceptance per draft position (``auto`` only)."""
         self.confidence = ConfidenceCalibration() if self.auto else None
         """Acceptance given the draft's own probability of its token (greedy ``auto`` only)."""
-        self.lookup_confidence = (
-            (ConfidenceCalibration(), ConfidenceCalibration()) if self.auto else None
-        )
-        """The same for the draft's first token in a round where prompt lookup proposes
-        another first token, and where it proposes the same (the target's token is less
-        often the draft's where they differ, more often where they agree)."""
+        self.lookup_confidence = (ConfidenceCalibration(), ConfidenceCalibration())
+        """The same for the draft's first token where prompt lookup proposes another first
+        token, and where it proposes the same (greedy ``auto`` with ``lookup_tokens``)."""
         self.sibling_confidence = ConfidenceCalibration() if self.auto else None
         """The same for the first position's further candidates (greedy ``auto`` only)."""
         self.trees = not no_tree
