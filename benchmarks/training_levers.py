@@ -6,13 +6,18 @@ change per row, each scored on the same held-out conversations (never the train 
 Rows (``--only`` picks some): the recipe as it is; the learning rate halved and doubled; no
 cosine decay (constant after warmup); weight decay against memorising; the draft's layer
 started from the target's last layer (``train.init_from_target``); the LK loss
-(``train.loss=lk``); the EAGLE 3.1 draft (``draft.variant=eagle3.1``: per-aux norms before
-``fc``, the post-norm state fed back); and ``epochs`` (the same steps over half the training
-conversations, so each is seen twice: repeated epochs against fresh data). Every row trains
-``--steps`` steps from the same seed and evaluates on the held-out split that
-``--eval-fraction`` selects by a hash of each id (stable across rows, the half-data row
-included). A row writes
-``OUTPUT/<row>/result.json`` and is skipped on a rerun. Run it alone (2 CPU cores).
+(``train.loss=lk``); the target's distribution sharpened to temperature 0.5 and to its
+greedy token alone (``train.target_temperature``); ``answers_128`` (the training split's
+answers cut at their first 128 tokens: cheaper steps, more of them in a time budget, on the
+same prompts); the EAGLE 3.1 draft
+(``draft.variant=eagle3.1``: per-aux norms before ``fc``, the post-norm state fed back); and
+``epochs`` (the same steps over half the training conversations, so each is seen twice:
+repeated epochs against fresh data). Every row trains ``--steps`` steps from the same seed and
+evaluates on the held-out split that ``--eval-fraction`` selects by a hash of each id (stable
+across rows, the half-data row included). A row writes ``OUTPUT/<row>/result.json`` and is
+skipped on a rerun. With ``--steps`` beyond reach and ``train.max_minutes=M`` among the
+overrides every row trains for ``M`` minutes instead: equal time, not equal steps. Run it alone
+(2 CPU cores).
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ def rows(base) -> dict[str, list[str]]:
         "weight_decay_0.1": ["train.weight_decay=0.1"],
         "init_from_target": ["train.init_from_target=true"],
         "loss_lk": ["train.loss=lk"],
+        "target_t0.5": ["train.target_temperature=0.5"],
+        "hard_labels": ["train.target_temperature=0"],
+        "answers_128": [],  # the training conversations' answers cut at 128 tokens
         "eagle3.1": ["draft.variant=eagle3.1"],
         "epochs": [],  # half the training conversations, seen twice
     }
@@ -52,6 +60,30 @@ def half_data(data: Path, eval_fraction: float, output: Path) -> Path:
     dropped = {s.id for s in train_part[1::2]}
     path = output / "half.jsonl"
     write_jsonl_atomic(path, [r for r in records if r["id"] not in dropped])
+    return path
+
+
+def cut_answers(data: Path, eval_fraction: float, tokens: int, output: Path, cfg) -> Path:
+    """``data`` with every training conversation's answers cut at their first ``tokens``
+    generated ids (the held-out ones whole, so that split still scores whole answers)."""
+    from specforge.models.target import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.target)
+    records = read_jsonl(data)
+    probes = [TokenizedSample(id=r["id"], input_ids=[], loss_mask=[]) for r in records]
+    train_ids = {s.id for s in split_train_eval(probes, eval_fraction)[0]}
+    for record in records:
+        if record["id"] not in train_ids:
+            continue
+        meta = record["meta"]
+        answers = [m for m in record["messages"] if m["role"] == "assistant"]
+        for index, (message, ids) in enumerate(zip(answers, meta["token_ids"], strict=True)):
+            if len(ids) > tokens:
+                meta["token_ids"][index] = ids[:tokens]
+                message["content"] = tokenizer.decode(ids[:tokens])
+                meta["finish_reasons"][index] = "length"
+    path = output / f"answers_{tokens}.jsonl"
+    write_jsonl_atomic(path, records)
     return path
 
 
@@ -97,7 +129,8 @@ def main() -> None:
     args = parser.parse_args()
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    table = rows(load_config(args.config, args.overrides))
+    config = load_config(args.config, args.overrides)
+    table = rows(config)
     unknown = sorted(set(args.only or []) - set(table))
     if unknown:
         parser.error(f"unknown rows {unknown}; choose from {sorted(table)}")
@@ -108,6 +141,8 @@ def main() -> None:
         data = Path(args.data)
         if name == "epochs":
             data = half_data(data, args.eval_fraction, output)
+        if name == "answers_128":
+            data = cut_answers(data, args.eval_fraction, 128, output, config)
         results.append(run_row(args, name, overrides, data))
         write_result(output / "training_levers.json", {"settings": vars(args), "rows": results})
     base = next((r for r in results if r["row"] == "recipe"), None)

@@ -430,6 +430,14 @@ class TrainConfig:
     draft vocabulary (EAGLE's); ``lk`` is ``-log sum_v min(p_v, q_v)``, minus the log of the
     probability that a token drawn from the draft is accepted (an "LK" loss that optimises
     acceptance directly)."""
+    target_temperature: float = 1.0
+    """The temperature of the target distribution the loss reads, relative to the target's
+    own: ``softmax(log p / T)`` on the draft vocabulary. ``1``: the target's distribution
+    (EAGLE's); below 1 sharper, toward its greedy token, above 1 flatter; ``0``: the greedy
+    token alone (hard cross-entropy). Greedy serving accepts the draft's argmax alone;
+    sampling is lossless whatever the draft learnt, but accepts most where it learnt ``p``.
+    Measured on the quickstart's corpus, 0.5 and 0 trained no better draft than 1
+    (docs/training.md)."""
     init_from_target: bool = False
     """Start the draft's decoder layer from the target's last layer where shapes allow
     (attention on the hidden half of its input, MLP, norms) and ``fc`` as the identity on the
@@ -497,10 +505,11 @@ class TrainConfig:
     """Offline mode: DataLoader workers that read shards ahead of the step (0: in-process)."""
     state_cache_gb: float = 0.0
     """Online mode: keep the target's states of each conversation (aux layers, and the final
-    hidden state where the loss reads it) in host memory, up to this many GiB, so that later
-    passes over it (and repeated evaluations) skip the target's forward, about two thirds of a
-    CPU step (:mod:`specforge.trainer.state_cache`). About ``(3 + f) x hidden x 2`` bytes a
-    token in 16 bits (``f``: the share of tokens under the loss), 4.4 KB for SmolLM2.
+    hidden state and the target's argmax where the loss reads them) in host memory, up to this
+    many GiB, so that later passes over it (and repeated evaluations) skip the target's forward,
+    about two thirds of a CPU step, and its full-vocabulary logits
+    (:mod:`specforge.trainer.state_cache`). About ``(3 + f) x hidden x 2`` bytes a token in 16
+    bits (``f``: the share of tokens under the loss), 4.4 KB for SmolLM2.
     ``0``: the target runs every step. Offline mode reads every state from its shards and
     ignores it, with a warning."""
     target_sharding: Literal["replicate", "fsdp"] = "replicate"
@@ -557,6 +566,10 @@ class TrainConfig:
             raise ConfigError(f"train.max_grad_norm must be > 0, got {self.max_grad_norm}")
         if not 0 < self.step_weight <= 1:
             raise ConfigError(f"train.step_weight must be in (0, 1], got {self.step_weight}")
+        if not self.target_temperature >= 0:  # NaN too
+            raise ConfigError(
+                f"train.target_temperature must be >= 0, got {self.target_temperature}"
+            )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.weight_decay < 0:

@@ -146,6 +146,8 @@ def test_missing_file_and_non_mapping(tmp_path):
         "train.lr=inf",
         "train.lr=.nan",
         "train.step_weight=0",
+        "train.target_temperature=-0.5",
+        "train.target_temperature=.nan",
         "train.warmup_steps=-3",
         "train.min_lr_ratio=1.5",
         "train.weight_decay=-0.1",

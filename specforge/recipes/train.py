@@ -185,7 +185,9 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     out = Path(cfg.output_dir)
     run_identity = {"data_sha256": samples_sha256(train_samples), "draft": draft_config.to_dict()}
     start_step, start_seconds = resume(cfg, draft, optimizer, run_identity)
-    objective: nn.Module = TTTObjective(draft, tc.ttt_length, tc.step_weight, tc.loss)
+    objective: nn.Module = TTTObjective(
+        draft, tc.ttt_length, tc.step_weight, tc.loss, tc.target_temperature
+    )
     if ranks.world_size > 1:
         objective = nn.parallel.DistributedDataParallel(objective)
     if ranks.is_main:

@@ -73,10 +73,15 @@ class HiddenStateSource(Protocol):
 
 
 def draft_target_distribution(
-    last_hidden_state: torch.Tensor, head: TargetHead, draft: Eagle3DraftModel, batch: Batch
+    last_hidden_state: torch.Tensor,
+    head: TargetHead,
+    draft: Eagle3DraftModel,
+    batch: Batch,
+    argmax: torch.Tensor | None = None,
 ) -> TargetDistribution:
     """The target's distribution on the draft's vocabulary at the positions the loss scores,
-    with the model's own logit transform (the same code for both sources)."""
+    with the model's own logit transform (the same code for both sources); ``argmax``: the
+    full-vocabulary argmax an earlier pass found there."""
     return target_distribution(
         last_hidden_state.to(head.lm_head.dtype),
         head.lm_head,
@@ -85,6 +90,7 @@ def draft_target_distribution(
         rows=scored_positions(batch.loss_mask, batch.attention_mask),
         bias=head.lm_head_bias,
         transform=head.transform,
+        argmax=argmax,
     )
 
 
@@ -143,15 +149,16 @@ class OnlineTarget:
     def states(self, batch: Batch, draft: Eagle3DraftModel):
         kept = self.cache.lookup(batch) if self.cache is not None else None
         if kept is not None:  # an earlier pass's states (train.state_cache_gb)
-            aux, last = kept
-        else:
-            states = target_hidden_states(
-                self.model, batch.input_ids, batch.attention_mask, aux_layer_ids=self.aux_layer_ids
-            )
-            aux, last = states.aux_hidden_states, states.last_hidden_state
-            if self.cache is not None:
-                self.cache.store(batch, aux, last)
-        return aux, draft_target_distribution(last, self.head, draft, batch)
+            aux, last, argmax = kept
+            return aux, draft_target_distribution(last, self.head, draft, batch, argmax)
+        states = target_hidden_states(
+            self.model, batch.input_ids, batch.attention_mask, aux_layer_ids=self.aux_layer_ids
+        )
+        aux, last = states.aux_hidden_states, states.last_hidden_state
+        distribution = draft_target_distribution(last, self.head, draft, batch)
+        if self.cache is not None:
+            self.cache.store(batch, aux, last, distribution.argmax)
+        return aux, distribution
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,9 +6,11 @@ about two thirds of a step. A conversation trained on again in a later pass (or 
 again) needs exactly the states it had before, so the first forward over a conversation keeps
 what the loss reads of it, as ``specforge capture`` stores it (:mod:`specforge.data.hidden_states`):
 the aux layers at every token and the final hidden state at the positions the loss scores,
-in the target's dtype. A later batch whose conversations are all kept is rebuilt from them and
-the target does not run; the target distribution is derived from the kept final states by the
-same code as online and offline training. Conversations are kept in the order they come until
+in the target's dtype, and there the full-vocabulary argmax of the target's logits. A later
+batch whose conversations are all kept is rebuilt from them and the target does not run; the
+target distribution is derived from the kept final states by the same code as online and
+offline training, without the full-vocabulary logits (on SmolLM2 they cost more than the
+rest of the distribution six times over). Conversations are kept in the order they come until
 the budget is spent.
 
 A kept conversation is matched by its id and its token ids (two files may give one id to
@@ -43,10 +45,13 @@ class _Kept:
     """(M,) the positions the loss scores."""
     last: torch.Tensor
     """(M, Ht) the final hidden state there."""
+    argmax: torch.Tensor
+    """(M,) the target's full-vocabulary argmax there."""
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.input_ids, self.aux, self.positions, self.last))
+        tensors = (self.input_ids, self.aux, self.positions, self.last, self.argmax)
+        return sum(t.nbytes for t in tensors)
 
 
 class TargetStateCache:
@@ -73,9 +78,10 @@ class TargetStateCache:
             return None
         return kept
 
-    def lookup(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(aux (B, T, 3Ht), last hidden (B, T, Ht))`` on the batch's device when every row is
-        kept (the last hidden state is zero where the loss does not read it), else ``None``."""
+    def lookup(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(aux (B, T, 3Ht), last hidden (B, T, Ht), argmax (B, T))`` on the batch's device
+        when every row is kept (the last hidden state and the argmax are zero where the loss
+        does not read them), else ``None``."""
         kept = [self._match(batch, row) for row in range(len(batch.sample_ids))]
         if not kept or any(k is None for k in kept):
             self.misses += 1
@@ -84,14 +90,19 @@ class TargetStateCache:
         aux = padded_rows([k.aux for k in kept], length)
         # the final states at the positions the loss reads, zero elsewhere (as the offline
         # store gives them)
-        last = padded_rows([k.last for k in kept], length, [k.positions for k in kept])
+        positions = [k.positions for k in kept]
+        last = padded_rows([k.last for k in kept], length, positions)
+        argmax = padded_rows([k.argmax[:, None] for k in kept], length, positions)[..., 0]
         self.hits += 1
         device = batch.input_ids.device
-        return aux.to(device), last.to(device)
+        return aux.to(device), last.to(device), argmax.to(device)
 
-    def store(self, batch: Batch, aux: torch.Tensor, last: torch.Tensor) -> None:
+    def store(
+        self, batch: Batch, aux: torch.Tensor, last: torch.Tensor, argmax: torch.Tensor
+    ) -> None:
         """Keep the rows of a batch the target just ran over (those not kept yet, while the
-        budget holds them)."""
+        budget holds them); ``argmax`` (B, T): the target's full-vocabulary argmax, read where
+        the loss scores."""
         scored = scored_positions(batch.loss_mask, batch.attention_mask)
         for row, sample_id in enumerate(batch.sample_ids):
             if sample_id in self._kept:
@@ -103,6 +114,7 @@ class TargetStateCache:
                 aux=aux[row, :length].to("cpu", copy=True),
                 positions=positions.cpu(),
                 last=last[row, positions].to("cpu", copy=True),
+                argmax=argmax[row, positions].to("cpu", copy=True),
             )
             if self.used_bytes + kept.nbytes > self.budget_bytes:
                 if not self._full_logged:

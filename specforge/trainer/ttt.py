@@ -13,7 +13,9 @@ and the target's probabilities restricted to the draft vocabulary and renormaliz
 positions where the mask holds *and* the target's argmax lies in the draft vocabulary (EAGLE's
 and SpecForge's rule); or, with ``loss="lk"``, ``-log sum_v min(p_v, q_v)``: minus the log of
 the acceptance probability of a token drawn from the draft ``q`` and verified against the
-target ``p`` (the "LK" losses, which optimise acceptance instead of KL). Total:
+target ``p`` (the "LK" losses, which optimise acceptance instead of KL). The target's
+distribution can be sharpened first (``target_temperature``: ``softmax(log p / T)``, one-hot
+at ``T = 0``). Total:
 ``sum_k 0.8**k * loss_k``. Accuracy ``acc_k``: the draft's argmax,
 mapped through ``d2t``, equals the target's argmax, over all masked positions (an argmax outside
 the draft vocabulary counts as a miss, as it would be at serving time).
@@ -54,11 +56,14 @@ def target_distribution(
     chunk_size: int = 256,
     bias: torch.Tensor | None = None,
     transform=None,
+    argmax: torch.Tensor | None = None,
 ) -> TargetDistribution:
     """The target's next-token distribution from its final hidden state and ``lm_head``.
 
-    Full-vocabulary logits exist only for ``chunk_size`` positions at a time (for the argmax);
-    what is kept is restricted to the draft vocabulary.
+    The probabilities come from the draft vocabulary's rows of ``lm_head`` alone; the
+    full-vocabulary logits, six times that product for a 49k vocabulary and 8k draft ids,
+    exist only for the argmax, ``chunk_size`` positions at a time, and not at all when an
+    earlier pass's ``argmax`` is given (``train.state_cache_gb``).
 
     Args:
         last_hidden_state: (B, T, Ht) after the target's final norm.
@@ -71,30 +76,43 @@ def target_distribution(
         bias: (V,) the output layer's bias, if it has one.
         transform: what the model does to ``lm_head``'s output
             (:class:`specforge.models.adapter.LogitTransform`), if anything.
+        argmax: optional (B, T), the full-vocabulary argmax this function gave for the same
+            states before (read at ``rows``).
     """
     batch, length, width = last_hidden_state.shape
     if rows is None:
         rows = torch.ones(batch, length, dtype=torch.bool, device=last_hidden_state.device)
     # (B, T, Ht) -> (N, Ht), the N selected positions
     flat = last_hidden_state[rows]
-    probs, argmax = [], []
+    weight = lm_head_weight.to(flat.dtype)
+    hot_weight, hot_bias = weight[hot_ids], None if bias is None else bias[hot_ids]
+    probs, argmaxes = [], []
     for start in range(0, flat.shape[0], chunk_size):
-        # (chunk, Ht) @ (Ht, V) -> (chunk, V)
-        logits = flat[start : start + chunk_size] @ lm_head_weight.T.to(flat.dtype)
-        if bias is not None:
-            logits = logits + bias.to(logits.dtype)
-        if transform is not None:
-            logits = transform(logits)
-        argmax.append(logits.max(-1).indices)  # first maximum, as argmax; faster in bf16
-        probs.append(logits[:, hot_ids].float().softmax(-1))
+        chunk = flat[start : start + chunk_size]
+        if argmax is None:
+            # (chunk, Ht) @ (Ht, V) -> (chunk, V)
+            # the first maximum, as argmax; faster in bf16
+            argmaxes.append(_logits(chunk, weight, bias, transform).max(-1).indices)
+        # (chunk, Ht) @ (Ht, Vd) -> (chunk, Vd)
+        probs.append(_logits(chunk, hot_weight, hot_bias, transform).float().softmax(-1))
     out_probs = flat.new_zeros(batch, length, len(hot_ids), dtype=torch.float32)
     out_argmax = torch.full((batch, length), -1, dtype=torch.long, device=flat.device)
     if probs:
         out_probs[rows] = torch.cat(probs)
-        out_argmax[rows] = torch.cat(argmax)
+        out_argmax[rows] = (
+            argmax[rows].to(out_argmax) if argmax is not None else torch.cat(argmaxes)
+        )
     return TargetDistribution(
         probs=out_probs, argmax=out_argmax, in_draft=(out_argmax >= 0) & t2d[out_argmax]
     )
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias, transform) -> torch.Tensor:
+    """``transform(hidden @ weight.T + bias)``."""
+    logits = hidden @ weight.T
+    if bias is not None:
+        logits = logits + bias.to(logits.dtype)
+    return logits if transform is None else transform(logits)
 
 
 def first_needed_position(loss_mask: torch.Tensor, ttt_length: int) -> int:
@@ -138,6 +156,18 @@ class TTTResult:
             float(c) / max(float(n), 1.0)
             for c, n in zip(self.step_correct, self.step_counted, strict=True)
         ]
+
+
+def sharpened(probs: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(N, V) probabilities ``p`` -> ``softmax(log p / temperature)``
+    (``train.target_temperature``); at ``0`` one-hot on each row's argmax (the first, as
+    ``argmax``)."""
+    if temperature == 1.0:
+        return probs
+    if temperature == 0.0:
+        return torch.zeros_like(probs).scatter_(-1, probs.argmax(-1, keepdim=True), 1.0)
+    # a probability that underflowed to 0 stays (about) 0
+    return (probs.clamp(min=torch.finfo(probs.dtype).tiny).log() / temperature).softmax(-1)
 
 
 def position_losses(logits: torch.Tensor, target_probs: torch.Tensor, loss: str) -> torch.Tensor:
@@ -201,6 +231,7 @@ def ttt_loss(
     ttt_length: int = 7,
     step_weight: float = 0.8,
     loss: str = "kl",
+    target_temperature: float = 1.0,
 ) -> TTTResult:
     """Unroll the draft ``ttt_length`` steps and score every step against the target.
 
@@ -218,6 +249,8 @@ def ttt_loss(
         ttt_length: number of unrolled steps.
         step_weight: step ``k`` is weighted ``step_weight ** k``.
         loss: ``kl`` or ``lk`` (module docstring).
+        target_temperature: the target distribution's temperature in the loss
+            (:func:`sharpened`); accuracy counts the target's argmax either way.
 
     Returns:
         The weighted loss and per-step losses / accuracy counts.
@@ -244,7 +277,7 @@ def ttt_loss(
         counted = shift_left(loss_mask, 2 + k, fill=False)
         rows, cols = counted[:, start:].nonzero(as_tuple=True)
         cols = cols + start
-        target_probs = target_dist.probs[rows, cols + 1 + k]
+        target_probs = sharpened(target_dist.probs[rows, cols + 1 + k], target_temperature)
         target_argmax = target_dist.argmax[rows, cols + 1 + k]
         scored = target_dist.in_draft[rows, cols + 1 + k]
         # 3. logits at counted positions only; the loss, mean over scored ones
@@ -272,13 +305,19 @@ class TTTObjective(nn.Module):
     """The draft plus its TTT loss as one module, so DDP sees the whole step in ``forward``."""
 
     def __init__(
-        self, draft: Eagle3DraftModel, ttt_length: int, step_weight: float, loss: str = "kl"
+        self,
+        draft: Eagle3DraftModel,
+        ttt_length: int,
+        step_weight: float,
+        loss: str = "kl",
+        target_temperature: float = 1.0,
     ):
         super().__init__()
         self.draft = draft
         self.ttt_length = ttt_length
         self.step_weight = step_weight
         self.loss = loss
+        self.target_temperature = target_temperature
 
     def forward(
         self, batch: Batch, aux_hidden_states: torch.Tensor, target_dist: TargetDistribution
@@ -293,4 +332,5 @@ class TTTObjective(nn.Module):
             ttt_length=self.ttt_length,
             step_weight=self.step_weight,
             loss=self.loss,
+            target_temperature=self.target_temperature,
         )

@@ -16,26 +16,29 @@ def states(batch, seed: int):
     rows, length = batch.input_ids.shape
     aux = torch.randn(rows, length, 6, generator=generator)
     last = torch.randn(rows, length, 2, generator=generator)
-    return aux, last
+    argmax = torch.randint(0, 100, (rows, length), generator=generator)
+    return aux, last, argmax
 
 
 def test_kept_states_rebuild_a_batch_in_another_order_and_padding():
     """Rows kept from one padded batch rebuild another batch of them: the aux layers at every
-    real token, the final hidden state wherever the loss reads it."""
+    real token, the final hidden state and the target's argmax wherever the loss reads it."""
     a, b = sample("a", [5, 6, 7, 8, 9], 2), sample("b", [5, 6, 7], 1)
     first = collate([a, b])
-    aux, last = states(first, 0)
+    aux, last, argmax = states(first, 0)
     cache = TargetStateCache(budget_bytes=1 << 20)
     assert cache.lookup(first) is None
-    cache.store(first, aux, last)
+    cache.store(first, aux, last, argmax)
     again = collate([b, a])  # b first: padded to a's length now
-    kept_aux, kept_last = cache.lookup(again)
+    kept_aux, kept_last, kept_argmax = cache.lookup(again)
     assert (cache.hits, cache.misses) == (1, 1)
     torch.testing.assert_close(kept_aux[0, :3], aux[1, :3], rtol=0, atol=0)
     torch.testing.assert_close(kept_aux[1], aux[0], rtol=0, atol=0)
     scored = scored_positions(again.loss_mask, again.attention_mask)
     torch.testing.assert_close(kept_last[1][scored[1]], last[0][scored[1]], rtol=0, atol=0)
     torch.testing.assert_close(kept_last[0][scored[0]], last[1, :3][scored[0, :3]], rtol=0, atol=0)
+    assert torch.equal(kept_argmax[1][scored[1]], argmax[0][scored[1]])
+    assert torch.equal(kept_argmax[0][scored[0]], argmax[1, :3][scored[0, :3]])
 
 
 def test_another_conversation_under_a_kept_id_is_a_miss():

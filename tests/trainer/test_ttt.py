@@ -4,6 +4,7 @@ import torch
 from specforge.data.chat import scored_positions
 from specforge.trainer.ttt import (
     first_needed_position,
+    sharpened,
     shift_left,
     target_distribution,
     ttt_loss,
@@ -25,6 +26,16 @@ def inputs(seed=0, length=14):
         out = target(ids, attention_mask=attention_mask, output_hidden_states=True)
     aux = torch.cat([out.hidden_states[i + 1] for i in (1, 2, 3)], dim=-1)
     return target, draft, ids, attention_mask, loss_mask, aux, out
+
+
+def draft_distribution(target, draft, out):
+    """The tiny target's distribution on the tiny draft's 32-token vocabulary."""
+    return target_distribution(
+        out.hidden_states[-1],
+        target.lm_head.weight,
+        hot_ids=torch.arange(32) + draft.d2t,
+        t2d=draft.t2d,
+    )
 
 
 def run_ttt(draft, ids, attention_mask, loss_mask, aux, dist, ttt_length):
@@ -53,6 +64,16 @@ def test_target_distribution_chunking_and_restriction():
     expected = out.logits[..., hot].float().softmax(-1)
     torch.testing.assert_close(whole.probs, expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(whole.in_draft, draft.t2d[whole.argmax])
+    # an earlier pass's argmax (train.state_cache_gb) gives the same distribution
+    again = target_distribution(
+        out.hidden_states[-1],
+        target.lm_head.weight,
+        hot_ids=hot,
+        t2d=draft.t2d,
+        argmax=whole.argmax,
+    )
+    for field in ("probs", "argmax", "in_draft"):
+        assert torch.equal(getattr(again, field), getattr(whole, field))
 
 
 def test_counted_positions_are_the_loss_mask_shifted_by_two_plus_k():
@@ -120,14 +141,43 @@ def test_perfect_draft_scores_full_accuracy_and_zero_excess_loss():
         torch.testing.assert_close(result.step_losses[k], expected, rtol=1e-4, atol=1e-5)
 
 
+def test_sharpened_is_the_target_at_a_lower_temperature():
+    """``softmax(log p / T)`` is the target's distribution with its logits divided by ``T``;
+    ``T = 0`` is its argmax alone, ``T = 1`` the distribution itself."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 32) * 3
+    probs = logits.softmax(-1)
+    assert sharpened(probs, 1.0) is probs
+    torch.testing.assert_close(sharpened(probs, 0.5), (logits / 0.5).softmax(-1))
+    torch.testing.assert_close(sharpened(probs, 2.0), (logits / 2.0).softmax(-1))
+    hard = sharpened(probs, 0.0)
+    assert torch.equal(hard.argmax(-1), logits.argmax(-1)) and torch.equal(
+        hard.sum(-1), torch.ones(5)
+    )
+    assert int((hard > 0).sum()) == 5
+
+
+def test_temperature_zero_trains_on_the_greedy_token_alone():
+    """At ``target_temperature=0`` the loss is the cross-entropy of the target's argmax on the
+    draft vocabulary (the loss of a one-hot target distribution); accuracies are unchanged."""
+    target, draft, ids, attention_mask, loss_mask, aux, out = inputs()
+    dist = draft_distribution(target, draft, out)
+    kwargs = dict(
+        input_ids=ids, attention_mask=attention_mask, loss_mask=loss_mask, aux_hidden_states=aux
+    )
+    hard = ttt_loss(draft, **kwargs, target_dist=dist, ttt_length=3, target_temperature=0.0)
+    one_hot = torch.zeros_like(dist.probs).scatter_(-1, dist.probs.argmax(-1, keepdim=True), 1.0)
+    dist_one_hot = type(dist)(probs=one_hot, argmax=dist.argmax, in_draft=dist.in_draft)
+    expected = ttt_loss(draft, **kwargs, target_dist=dist_one_hot, ttt_length=3)
+    soft = ttt_loss(draft, **kwargs, target_dist=dist, ttt_length=3)
+    torch.testing.assert_close(hard.loss, expected.loss)
+    assert not torch.isclose(hard.loss, soft.loss)
+    assert hard.accuracies == soft.accuracies
+
+
 def test_ttt_length_must_be_positive():
     target, draft, ids, attention_mask, loss_mask, aux, out = inputs()
-    dist = target_distribution(
-        out.hidden_states[-1],
-        target.lm_head.weight,
-        hot_ids=torch.arange(32) + draft.d2t,
-        t2d=draft.t2d,
-    )
+    dist = draft_distribution(target, draft, out)
     with pytest.raises(ValueError, match="ttt_length must be >= 1, got 0"):
         run_ttt(draft, ids, attention_mask, loss_mask, aux, dist, ttt_length=0)
 
