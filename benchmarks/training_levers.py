@@ -52,12 +52,16 @@ def rows(base) -> dict[str, list[str]]:
     }
 
 
+def training_ids(records: list[dict], eval_fraction: float) -> list[str]:
+    """The ids of ``records`` in the training split, in the split's order (by id)."""
+    probes = [TokenizedSample(id=r["id"], input_ids=[], loss_mask=[]) for r in records]
+    return [s.id for s in split_train_eval(probes, eval_fraction)[0]]
+
+
 def half_data(data: Path, eval_fraction: float, output: Path) -> Path:
     """The held-out conversations plus every other training one."""
     records = read_jsonl(data)
-    probes = [TokenizedSample(id=r["id"], input_ids=[], loss_mask=[]) for r in records]
-    train_part, _ = split_train_eval(probes, eval_fraction)
-    dropped = {s.id for s in train_part[1::2]}
+    dropped = set(training_ids(records, eval_fraction)[1::2])
     path = output / "half.jsonl"
     write_jsonl_atomic(path, [r for r in records if r["id"] not in dropped])
     return path
@@ -70,8 +74,7 @@ def cut_answers(data: Path, eval_fraction: float, tokens: int, output: Path, cfg
 
     tokenizer = load_tokenizer(cfg.target)
     records = read_jsonl(data)
-    probes = [TokenizedSample(id=r["id"], input_ids=[], loss_mask=[]) for r in records]
-    train_ids = {s.id for s in split_train_eval(probes, eval_fraction)[0]}
+    train_ids = set(training_ids(records, eval_fraction))
     for record in records:
         if record["id"] not in train_ids:
             continue
