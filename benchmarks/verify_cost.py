@@ -11,8 +11,10 @@ calls after one warm-up call. Every figure is taken twice in the same run: with 
 default linear, then with the linears prepacked (``target.prepack_linear``, the default on CPU in
 float32). Then the draft's extension over 3 accepted tokens right after a 3-token verification
 (its weights cold, as in a round), for each form the bench may load the draft in: float32,
-bfloat16 (both prepacked) and bfloat16 with int8 weights (``bench.draft_quantize``). Prints a
-table and writes JSON.
+bfloat16 (both prepacked) and bfloat16 with int8 weights (``bench.draft_quantize``). With
+``--engine``, the same verification costs through the engine the bench runs
+(:class:`~specforge.engine.target.TargetEngine`, its cache written by slot), eager (its
+linears prepacked) and compiled, timed in turn call by call. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -48,6 +50,44 @@ def median_ms(fn, repeats: int) -> float:
 
 
 @torch.no_grad()
+def engine_timings(target, args) -> dict[str, dict[int, float]]:
+    """Median ms of the engine's forward over ``k`` new tokens after the prefill, for each
+    ``k`` in ``--tokens``, eager and compiled. Both engines are built and warmed first, then
+    timed in turn call by call, so that a machine whose speed drifts slows both alike."""
+    from specforge.engine.target import TargetEngine
+
+    aux = default_aux_layer_ids(target.config.num_hidden_layers)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, target.config.vocab_size, (1, args.context), generator=generator)
+    calls = {}
+    for name, compile in (("engine, eager", False), ("engine, compiled", True)):
+        engine = TargetEngine(target, aux_layer_ids=aux, compile=compile)
+        cache = engine.new_cache(args.context + max(args.tokens))
+        engine.forward(prompt, cache)
+
+        def call(k: int, engine=engine, cache=cache) -> float:
+            ids = torch.randint(0, 1000, (1, k), generator=generator)
+            start = time.perf_counter()
+            engine.forward(ids, cache)
+            seconds = time.perf_counter() - start
+            cache.crop(args.context)
+            return seconds
+
+        for k in args.tokens:  # compiles every shape
+            call(k)
+        calls[name] = call
+    times: dict[str, dict[int, list[float]]] = {n: {k: [] for k in args.tokens} for n in calls}
+    for _ in range(args.repeats):
+        for k in args.tokens:
+            for name, call in calls.items():
+                times[name][k].append(call(k))
+    return {
+        name: {k: 1000 * statistics.median(ts) for k, ts in by_k.items()}
+        for name, by_k in times.items()
+    }
+
+
+@torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
@@ -56,6 +96,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--output", default="outputs/bench/verify_cost.json")
+    parser.add_argument("--engine", action="store_true", help="the engine's forwards too")
     args = parser.parse_args()
     from transformers import DynamicCache
 
@@ -145,6 +186,8 @@ def main() -> None:
         "linear_kernels": kernels,
         "draft_extension_after_verification_ms": extension_ms,
     }
+    if args.engine:
+        result["engine_forward_ms"] = engine_timings(target, args)
     write_result(Path(args.output), result)
     print(f"\n{args.target} ({args.dtype}), context {args.context}")
     names = list(kernels)
@@ -157,6 +200,9 @@ def main() -> None:
             for n in names
         ]
         print(f"| {k} | " + " | ".join(cells) + " |")
+    for name, ms in result.get("engine_forward_ms", {}).items():
+        cells = ", ".join(f"{k}: {v:.1f} ({v / ms[args.tokens[0]]:.2f}x)" for k, v in ms.items())
+        print(f"{name}, ms by new tokens: {cells}")
     steps = ", ".join(f"{n} {kernels[n]['draft_step_ms']:.2f} ms" for n in names)
     print(f"\ndraft step: {steps}")
     extensions = ", ".join(f"{name} {ms:.2f} ms" for name, ms in extension_ms.items())

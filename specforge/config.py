@@ -443,6 +443,11 @@ class TrainConfig:
     (attention on the hidden half of its input, MLP, norms) and ``fc`` as the identity on the
     top aux layer; else a seeded random initialisation. Embedding, ``norm`` and ``lm_head``
     always come from the target."""
+    freeze_lm_head: bool = False
+    """Keep the draft's ``lm_head`` (the target's rows for the draft vocabulary) as it starts:
+    the draft learns a state the target's own head reads. A step skips that head's weight
+    gradient and its optimizer update, the largest of the draft's matrices (on SmolLM2, 8,192 x
+    576 of the layer's ~4M); the exported head is the target's rows."""
     max_steps: int = 1000
     """Optimizer steps (the schedule spans them); the data repeats in seeded epochs."""
     max_minutes: float | None = None

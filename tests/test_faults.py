@@ -209,6 +209,13 @@ def test_resume_with_another_draft_vocab_size_is_a_clear_error(run):
         train(cfg)
 
 
+def test_resume_with_the_lm_head_frozen_or_not_is_a_clear_error(run):
+    folder, data, out = run
+    cfg = tiny_train_config(folder, data, out, "train.resume=true", "train.freeze_lm_head=true")
+    with pytest.raises(UserError, match=r"the set of frozen weights \(train.freeze_lm_head\)"):
+        train(cfg)
+
+
 # -- 9. regenerating into the input file --------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ from specforge.errors import UserError
 from specforge.models.adapter import config_value
 from specforge.models.compiling import inductor_options
 from specforge.models.eagle3 import (
+    FROZEN_WEIGHTS,
     Eagle3Config,
     Eagle3DraftModel,
     build_draft_model,
@@ -183,7 +184,11 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
         [p for p in draft.parameters() if p.requires_grad], tc, ranks.world_size
     )
     out = Path(cfg.output_dir)
-    run_identity = {"data_sha256": samples_sha256(train_samples), "draft": draft_config.to_dict()}
+    run_identity = {
+        "data_sha256": samples_sha256(train_samples),
+        "draft": draft_config.to_dict(),
+        "frozen": frozen_parameters(draft),
+    }
     start_step, start_seconds = resume(cfg, draft, optimizer, run_identity)
     objective: nn.Module = TTTObjective(
         draft, tc.ttt_length, tc.step_weight, tc.loss, tc.target_temperature
@@ -236,7 +241,13 @@ def new_draft(cfg: SpecForgeConfig, config: Eagle3Config, head, vocab_map) -> Ea
             target_act=config_value(head.config, "hidden_act", "hidden_activation", "activation"),
         )
         logger.info("initialised from the target's last layer: %s", ", ".join(copied))
+    draft.lm_head.weight.requires_grad_(not cfg.train.freeze_lm_head)
     return draft
+
+
+def frozen_parameters(draft: Eagle3DraftModel) -> list[str]:
+    """The names of ``draft``'s weights that training leaves as they are."""
+    return sorted(name for name, p in draft.named_parameters() if not p.requires_grad)
 
 
 def compile_ttt_step(draft: Eagle3DraftModel) -> None:
@@ -281,7 +292,12 @@ def resume(cfg: SpecForgeConfig, draft, optimizer, identity: dict) -> tuple[int,
     if checkpoint is None:
         raise UserError(f"{folder}: no checkpoint is intact, nothing to resume from")
     saved = read_trainer_state(checkpoint).get("run", {})
-    for key, what in (("data_sha256", "the training data"), ("draft", "the draft geometry")):
+    saved.setdefault("frozen", list(FROZEN_WEIGHTS))  # written before train.freeze_lm_head
+    for key, what in (
+        ("data_sha256", "the training data"),
+        ("draft", "the draft geometry"),
+        ("frozen", "the set of frozen weights (train.freeze_lm_head)"),
+    ):
         if saved.get(key) != identity[key]:
             raise UserError(
                 f"cannot resume {checkpoint}: {what} differs from the run that wrote it "

@@ -49,6 +49,23 @@ def test_loss_decreases_and_accuracy_rises_on_memorizable_data(tmp_path, peaked_
     assert "embed_tokens.weight" not in load_file(result.checkpoint / "draft.safetensors")
 
 
+def test_a_frozen_lm_head_stays_as_it_started_while_the_layer_trains(tmp_path, peaked_target_dir):
+    folder, data = peaked_target_dir
+    steps = ["train.max_steps=3", "train.save_every=1", "train.eval_every=100"]
+    frozen = tmp_path / "frozen"
+    train(tiny_train_config(folder, data, frozen, *steps, "train.freeze_lm_head=true"))
+    trained = tmp_path / "trained"
+    train(tiny_train_config(folder, data, trained, *steps))
+    first, last = (
+        load_file(frozen / "checkpoints" / f"step_{n}" / "draft.safetensors") for n in (1, 3)
+    )
+    assert torch.equal(first["lm_head.weight"], last["lm_head.weight"])
+    assert not torch.equal(first["fc.weight"], last["fc.weight"])
+    # both runs start from the same draft: the default run moves its head
+    unfrozen = load_file(trained / "checkpoints" / "step_3" / "draft.safetensors")
+    assert not torch.equal(unfrozen["lm_head.weight"], last["lm_head.weight"])
+
+
 @pytest.mark.parametrize("batching", [[], ["train.batch_tokens=96"]], ids=["count", "tokens"])
 def test_resume_reproduces_an_uninterrupted_run(tmp_path, peaked_target_dir, batching):
     folder, data = peaked_target_dir
