@@ -445,9 +445,10 @@ class TrainConfig:
     always come from the target."""
     freeze_lm_head: bool = False
     """Keep the draft's ``lm_head`` (the target's rows for the draft vocabulary) as it starts:
-    the draft learns a state the target's own head reads. A step skips that head's weight
-    gradient and its optimizer update, the largest of the draft's matrices (on SmolLM2, 8,192 x
-    576 of the layer's ~4M); the exported head is the target's rows."""
+    the draft learns a state the target's own head reads. A step skips the weight gradient and
+    the optimizer update of the draft's largest matrix (on SmolLM2 8,192 x 576, 4.7M weights,
+    beside 4.1M in the decoder layer); the exported head is the target's rows. Measured on the
+    quickstart's corpus, no better draft at equal steps (docs/training.md)."""
     max_steps: int = 1000
     """Optimizer steps (the schedule spans them); the data repeats in seeded epochs."""
     max_minutes: float | None = None
