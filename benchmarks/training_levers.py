@@ -9,10 +9,10 @@ started from the target's last layer (``train.init_from_target``); the LK loss
 (``train.loss=lk``); the target's distribution sharpened to temperature 0.5 and to its
 greedy token alone (``train.target_temperature``); the draft's ``lm_head`` kept as the
 target's rows (``train.freeze_lm_head``: cheaper steps); half the draft vocabulary (4,096 ids:
-a smaller head, fewer target tokens it can propose) and both; ``answers_128`` (the training split's
-answers cut at their first 128 tokens: cheaper steps, more of them in a time budget, on the
-same prompts); the EAGLE 3.1 draft
-(``draft.variant=eagle3.1``: per-aux norms before ``fc``, the post-norm state fed back); and
+a smaller head, fewer target tokens it can propose) and both; ``answers_128`` (the training
+split's answers cut at their first 128 tokens: cheaper steps, more of them in a time budget, on
+the same prompts); the EAGLE 3.1 draft (``draft.variant=eagle3.1``: per-aux norms before
+``fc``, the post-norm state fed back); and
 ``epochs`` (the same steps over half the training conversations, so each is seen twice:
 repeated epochs against fresh data). Every row trains ``--steps`` steps from the same seed and
 evaluates on the held-out split that ``--eval-fraction`` selects by a hash of each id (stable
@@ -38,6 +38,7 @@ from specforge.results import write_result
 def rows(base) -> dict[str, list[str]]:
     """Row name -> the overrides it adds to the recipe."""
     lr = base.train.lr
+    frozen_head, vocab_4096 = ["train.freeze_lm_head=true"], ["vocab.draft_vocab_size=4096"]
     return {
         "recipe": [],
         "lr_half": [f"train.lr={lr / 2}"],
@@ -48,9 +49,9 @@ def rows(base) -> dict[str, list[str]]:
         "loss_lk": ["train.loss=lk"],
         "target_t0.5": ["train.target_temperature=0.5"],
         "hard_labels": ["train.target_temperature=0"],
-        "frozen_lm_head": ["train.freeze_lm_head=true"],
-        "draft_vocab_4096": ["vocab.draft_vocab_size=4096"],
-        "frozen_head_4096": ["train.freeze_lm_head=true", "vocab.draft_vocab_size=4096"],
+        "frozen_lm_head": frozen_head,
+        "draft_vocab_4096": vocab_4096,
+        "frozen_head_4096": [*frozen_head, *vocab_4096],
         "answers_128": [],  # the training conversations' answers cut at 128 tokens
         "eagle3.1": ["draft.variant=eagle3.1"],
         "epochs": [],  # half the training conversations, seen twice
