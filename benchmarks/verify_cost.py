@@ -14,7 +14,9 @@ float32). Then the draft's extension over 3 accepted tokens right after a 3-toke
 bfloat16 (both prepacked) and bfloat16 with int8 weights (``bench.draft_quantize``). With
 ``--engine``, the same verification costs through the engine the bench runs
 (:class:`~specforge.engine.target.TargetEngine`, its cache written by slot), eager (its
-linears prepacked) and compiled, timed in turn call by call. Prints a table and writes JSON.
+linears prepacked), compiled with PyTorch's default linear and compiled with row buckets
+(``specforge/models/packed_linear.py``), timed in turn call by call. Prints a table and writes
+JSON.
 """
 
 from __future__ import annotations
@@ -52,16 +54,23 @@ def median_ms(fn, repeats: int) -> float:
 @torch.no_grad()
 def engine_timings(target, args) -> dict[str, dict[int, float]]:
     """Median ms of the engine's forward over ``k`` new tokens after the prefill, for each
-    ``k`` in ``--tokens``, eager and compiled. Both engines are built and warmed first, then
-    timed in turn call by call, so that a machine whose speed drifts slows both alike."""
+    ``k`` in ``--tokens``: eager, compiled with PyTorch's default linear, and compiled as the
+    bench runs it (row buckets on a CPU in float32). The engines are built and warmed first,
+    then timed in turn call by call, so that a machine whose speed drifts slows all alike."""
     from specforge.engine.target import TargetEngine
 
     aux = default_aux_layer_ids(target.config.num_hidden_layers)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.config.vocab_size, (1, args.context), generator=generator)
     calls = {}
-    for name, compile in (("engine, eager", False), ("engine, compiled", True)):
-        engine = TargetEngine(target, aux_layer_ids=aux, compile=compile)
+    engines = (
+        ("engine, eager", target, False, False),
+        # its own copy of the target: the next engine gives the shared layers row buckets
+        ("engine, compiled, default linears", copy.deepcopy(target), True, False),
+        ("engine, compiled", target, True, True),
+    )
+    for name, model, compile, buckets in engines:
+        engine = TargetEngine(model, aux_layer_ids=aux, compile=compile, row_buckets=buckets)
         cache = engine.new_cache(args.context + max(args.tokens))
         engine.forward(prompt, cache)
 

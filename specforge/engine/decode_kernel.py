@@ -1,8 +1,9 @@
 """Decode attention on CPU through a small C++ kernel (``csrc/decode_attention.cpp``), built on
 first use with ``torch.utils.cpp_extension`` into a folder of its own
 (``<TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions>/specforge_decode_attention-<hash>``, the
-hash of the source, the flags and the PyTorch version, so a changed kernel never meets an old
-build).
+hash of the sources, the flags and the PyTorch version, so a changed kernel never meets an old
+build). The same module carries the row-bucket linear op of compiled verification graphs
+(``csrc/bucket_linear.cpp``, :mod:`specforge.engine.row_buckets`), so one build serves both.
 
 Why: self-distillation's continuous batching decodes one position for hundreds of rows a step,
 and PyTorch's CPU flash kernel runs that shape as many tiny matrix products. Per row and key
@@ -50,7 +51,10 @@ DECODE_KERNEL_MODES = ("auto", "on", "off")
 """``regenerate.decode_kernel``: see :class:`~specforge.config.RegenerateConfig`."""
 
 NAME = "specforge_decode_attention"
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "decode_attention.cpp", CSRC / "bucket_linear.cpp"]
+"""The module's sources: the attention kernel, and the row-bucket linear op
+(:mod:`specforge.engine.row_buckets`), built together so that one build serves both."""
 HEAD_SIZES = (64, 128)
 MAX_GROUP = 8
 """Query heads per key head the kernel is built for (``1..MAX_GROUP``)."""
@@ -68,7 +72,7 @@ def build_directory() -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
         Path.home() / ".cache" / "torch_extensions"
     )
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     digest.update(" ".join(BUILD_FLAGS).encode())
     digest.update(torch.__version__.encode())
     return Path(root) / f"{NAME}-{digest.hexdigest()[:12]}"
@@ -120,7 +124,7 @@ def _load(directory: Path):
 
     return load(
         name=NAME,
-        sources=[str(SOURCE)],
+        sources=[str(source) for source in SOURCES],
         extra_cflags=BUILD_FLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),

@@ -30,9 +30,11 @@ from torch import nn
 from specforge.config import resolve_engine_compile
 from specforge.engine.cache import SPAN_STEP, SlotKVCache, SlotKVPool, whole_spans
 from specforge.engine.graphs import CudaGraphs
+from specforge.engine.row_buckets import bucket_linears
 from specforge.errors import UserError
 from specforge.models.adapter import architecture, check_logits, find_decoder, text_config
 from specforge.models.kv_cache import cache_kwargs, growing_cache
+from specforge.models.packed_linear import PackedLinear
 from specforge.models.target import GROUPED_SDPA, check_aux_layer_ids, target_hidden_states
 
 logger = logging.getLogger(__name__)
@@ -79,12 +81,16 @@ class EngineStats:
     captured."""
     compile_seconds: float = 0.0
     """Wall time of forwards that compiled a graph (the warm-up a user waits for)."""
+    row_buckets: int = 0
+    """Linear layers whose compiled few-row calls run at a packed row count
+    (:func:`~specforge.engine.row_buckets.bucket_linears`; compiled on a CPU, float32)."""
 
     def as_dict(self) -> dict:
         return {
             "compiled": self.compiled,
             "compilations": self.compilations,
             "compile_seconds": round(self.compile_seconds, 2),
+            "row_buckets": self.row_buckets,
             "shapes": sorted(f"{t}x{span}" for t, span in self.shapes),
         }
 
@@ -99,12 +105,17 @@ class TargetEngine:
         aux_layer_ids: the three decoder layers the draft reads.
         compile: run the layer loop through ``torch.compile`` (both sizes dynamic), or on a
             CUDA device as CUDA graphs (:class:`~specforge.engine.graphs.CudaGraphs`).
+        row_buckets: compiled on a CPU, give the layers' float32 linears row buckets
+            (:func:`~specforge.engine.row_buckets.bucket_linears`; off: PyTorch's default
+            product, a comparison's baseline).
 
     Raises:
         UserError: a target the engine cannot run exactly (:meth:`refusal`).
     """
 
-    def __init__(self, model: nn.Module, *, aux_layer_ids: list[int], compile: bool):
+    def __init__(
+        self, model: nn.Module, *, aux_layer_ids: list[int], compile: bool, row_buckets=True
+    ):
         self.model = model
         self.decoder, self.layers = find_decoder(model)
         self.aux_layer_ids = check_aux_layer_ids(list(aux_layer_ids), len(self.layers))
@@ -124,7 +135,12 @@ class TargetEngine:
         if compile and self.device.type == "cuda":
             self._run = CudaGraphs(self._layers, self._pool)
         elif compile:
+            # float32 verifications of 4-16 tokens read each weight once, as one token does
+            self.stats.row_buckets = bucket_linears(self.layers) if row_buckets else 0
             self._run = torch.compile(self._layers, dynamic=True, fullgraph=True)
+        linears = [m for m in self.layers.modules() if isinstance(m, PackedLinear)]
+        self._bucketed = linears if self.stats.row_buckets else []
+        """The linears this engine gave row buckets (checked before each forward)."""
 
     @property
     def graphs(self) -> bool:
@@ -185,7 +201,14 @@ class TargetEngine:
 
         Raises:
             ValueError: more tokens than the cache has room for.
+            UserError: the target's weights changed since the engine packed them (row
+                buckets).
         """
+        if any(linear.buckets_stale() for linear in self._bucketed):
+            raise UserError(
+                "the target's weights changed after the engine packed them for its row "
+                "buckets: build a new engine for the new weights"
+            )
         count, start = input_ids.shape[1], cache.length
         slots, span = cache.next_slots(count, self.device)
         end = start + count

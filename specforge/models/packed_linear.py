@@ -38,10 +38,19 @@ shares their parameters (tied weights stay tied, ``state_dict`` is unchanged) an
 ``F.linear`` wherever the packed path does not apply: gradients, another device or dtype, more
 rows than ``max_rows``, a weight changed since it was packed (it is packed again on next use),
 or a graph being compiled.
+
+**Row buckets, inside compiled graphs.** A graph ``torch.compile`` built calls PyTorch's
+default product, which from 4 rows on repacks the weight on every call. A layer given row
+buckets (:meth:`PackedLinear.pack_row_buckets`, which
+:func:`specforge.engine.row_buckets.bucket_linears` calls) holds its weight packed by MKL for
+:data:`ROW_BUCKETS` rows, and a compiled graph's float32 call of 2 or more rows runs the op
+``specforge::bucket_linear``, which reads the weight once (:mod:`specforge.engine.row_buckets`
+says why and what it measured).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -66,6 +75,15 @@ MIN_PACKED_WEIGHT = 1 << 18
 """Smaller weights keep PyTorch's default: oneDNN's call costs ~50-100 us more on its own, which
 only a weight read from memory (not cache) pays back. SmolLM2's 192x576 key/value projections
 stay default; its 576x576 and larger layers are packed."""
+
+
+ROW_BUCKETS = (8, 16)
+"""The row counts a layer's row buckets are packed for: a compiled graph's float32 call of
+:data:`BUCKET_DEFAULT_ROWS` + 1 to 16 rows is padded to the first that holds it."""
+
+BUCKET_DEFAULT_ROWS = 3
+"""Calls of at most this many rows keep the default inside compiled graphs too: MKL's default
+reads the weight once up to 3 rows, as fast as a bucket."""
 
 
 def packed_linear_available() -> bool:
@@ -115,6 +133,11 @@ class PackedLinear(nn.Linear):
     _packed_from: tuple | None
     _pad_one_row: bool
     """A one-row call runs as two rows (:func:`_one_row_rounds_apart` when packed)."""
+    _buckets: tuple[torch.Tensor, torch.Tensor] | None
+    """The weight packed by MKL for each of :data:`ROW_BUCKETS` rows (compiled graphs'
+    few-row calls), or ``None``: :meth:`pack_row_buckets`."""
+    _buckets_from: tuple | None
+    """The weight's key when :attr:`_buckets` were packed (:meth:`buckets_stale`)."""
 
     @classmethod
     def wrap(cls, linear: nn.Linear, *, max_rows: int = MAX_PACKED_ROWS) -> PackedLinear:
@@ -125,8 +148,39 @@ class PackedLinear(nn.Linear):
         module.weight, module.bias = linear.weight, linear.bias
         module.max_rows, module._packed, module._packed_from = max_rows, None, None
         module._pad_one_row = False
+        module._buckets, module._buckets_from = None, None
         module.train(linear.training)
         return module
+
+    def pack_row_buckets(self) -> None:
+        """Pack the weight for :data:`ROW_BUCKETS` rows, which compiled graphs then use for
+        float32 calls of 4 to 16 rows (the weight must not change afterwards: a frozen
+        target's; :meth:`buckets_stale` tells).
+
+        Raises:
+            ValueError: a weight that is trainable, not float32, or not on the CPU.
+        """
+        weight = self.weight
+        if weight.requires_grad or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(
+                "row buckets need a frozen float32 CPU weight, got "
+                f"{weight.dtype} on {weight.device} (requires_grad={weight.requires_grad})"
+            )
+        reorder = torch.ops.mkl._mkl_reorder_linear_weight
+        small, large = (reorder(weight.detach(), rows) for rows in ROW_BUCKETS)
+        self._buckets, self._buckets_from = (small, large), self._weight_key()
+
+    def buckets_stale(self) -> bool:
+        """Whether the weight changed since its row buckets were packed (a compiled graph
+        cannot check: the caller refuses to run it)."""
+        return self._buckets is not None and self._buckets_from != self._weight_key()
+
+    def __getstate__(self) -> dict:
+        # packed weights are opaque tensors, which cannot be copied or pickled: a copy packs
+        # its weight again on first use, and goes without row buckets (an engine gives its own
+        # model buckets)
+        unpacked = {"_packed": None, "_packed_from": None, "_buckets": None, "_buckets_from": None}
+        return {**super().__getstate__(), **unpacked}
 
     def _weight_key(self) -> tuple:
         # the weight object, its storage and its in-place version: any change repacks
@@ -147,7 +201,22 @@ class PackedLinear(nn.Linear):
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         )
 
+    def _buckets_apply(self, x: torch.Tensor) -> bool:
+        # a one-row graph (dynamic shapes specialise sizes 1) keeps the default's kernel
+        return (
+            self._buckets is not None
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and math.prod(x.shape[:-1]) != 1
+            and not (torch.is_grad_enabled() and x.requires_grad)
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and self._buckets_apply(x):
+            (small, large), (small_rows, large_rows) = self._buckets, ROW_BUCKETS
+            op = torch.ops.specforge.bucket_linear  # engine/csrc/bucket_linear.cpp
+            few = BUCKET_DEFAULT_ROWS
+            return op(x, self.weight, self.bias, few, small, small_rows, large, large_rows)
         if not self._usable(x):
             return F.linear(x, self.weight, self.bias)
         key = self._weight_key()

@@ -8,6 +8,7 @@ import torch
 from specforge.config import resolve_engine_compile
 from specforge.engine.cache import SPAN_STEP, SlotKVCache, gather_cache, key_span
 from specforge.engine.prompt_lookup import ngram_candidates, prompt_lookup_generate
+from specforge.engine.row_buckets import row_buckets_missing
 from specforge.engine.target import TargetEngine, build_engine
 from specforge.errors import UserError
 from specforge.serving.speculative import SpeculativeDecoder
@@ -19,7 +20,9 @@ AUX = [1, 1, 0]
 
 @pytest.fixture(scope="module")
 def target():
-    return make_tiny_llama(VOCAB, num_layers=4, seed=3, initializer_range=0.2).float()
+    # frozen, as load_target's: the compiled engine packs the layers' weights
+    model = make_tiny_llama(VOCAB, num_layers=4, seed=3, initializer_range=0.2).float()
+    return model.requires_grad_(False)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +85,9 @@ def test_a_multi_turn_run_compiles_no_more_than_the_bounded_shapes(target, compi
     assert history.shape[1] > SPAN_STEP  # the turns crossed a span
     assert compiled.stats.compilations <= 2
     assert len(compiled.stats.shapes) > compiled.stats.compilations
+    # float32 on a CPU: every layer's linears ran their few-row calls through row buckets
+    linears = sum(isinstance(m, torch.nn.Linear) for m in compiled.layers.modules())
+    assert linears > 0 and compiled.stats.row_buckets == (0 if row_buckets_missing() else linears)
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
