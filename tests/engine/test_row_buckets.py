@@ -123,7 +123,8 @@ def test_the_engine_refuses_to_run_weights_changed_after_it_packed_them():
     target = make_tiny_llama(96, num_layers=2, seed=3).float().requires_grad_(False)
     engine = TargetEngine(target, aux_layer_ids=[0, 1, 1], compile=True)
     assert engine.stats.row_buckets == sum(isinstance(m, nn.Linear) for m in target.modules()) - 1
+    engine.new_cache(8)
     with torch.no_grad():
         target.model.layers[1].mlp.down_proj.weight.mul_(2)  # in place: the packing is stale
     with pytest.raises(UserError, match="weights changed after the engine packed them"):
-        engine.forward(torch.tensor([[1, 2, 3]]), engine.new_cache(8))
+        engine.new_cache(8)
