@@ -15,12 +15,12 @@ of its weight, for :data:`~specforge.models.packed_linear.ROW_BUCKETS` (8 and 16
 compiled graph, a float32 call of 2 or more rows runs ``specforge::bucket_linear``
 (``csrc/bucket_linear.cpp``): 4 to 16 rows padded with zeros to the first bucket that holds
 them, through that bucket's packing; up to 3 rows, where the default reads the weight once too,
-and more than 16 through the default. The op is opaque to inductor,
-which cannot lower the packed product with a weight that is an input rather than a frozen
-constant, and it keeps the row count dynamic, so the engine's graphs stay the same two. It is
-C++ (built with the decode attention kernel, :mod:`specforge.engine.decode_kernel`): a Python
-kernel cost ~0.1 ms a call, 20 ms a forward of SmolLM2's 210 layers. One-row graphs keep the
-default, the fastest at one row.
+and more than 16 through the default. The op is opaque to inductor, which cannot lower the
+packed product with a weight that is an input rather than a frozen constant, and it keeps the
+row count dynamic, so the engine's graphs stay the same two. It is C++ (built with the decode
+attention kernel, :mod:`specforge.engine.decode_kernel`): a Python kernel cost ~0.1 ms a call,
+20 ms a forward of SmolLM2's 210 layers. One-row graphs keep the default, the fastest at one
+row. Linear layers of other classes (quantized ones, say) are left as they are.
 
 Exactness: a row's result does not depend on the rows that share its bucket (tested); it
 differs from the default's by float32 rounding, as the default's one-row and many-row kernels
@@ -66,7 +66,7 @@ def row_buckets_missing() -> str | None:
 
 
 def bucket_linears(model: nn.Module) -> int:
-    """Give every linear layer of a frozen float32 CPU ``model`` row buckets
+    """Give every ``nn.Linear`` of a frozen float32 CPU ``model`` row buckets
     (:meth:`~specforge.models.packed_linear.PackedLinear.pack_row_buckets`; a plain
     ``nn.Linear`` is wrapped first, its eager calls left to the default). Returns how many
     layers: 0 where the weights are not all frozen float32 on the CPU, where their packed
@@ -75,7 +75,7 @@ def bucket_linears(model: nn.Module) -> int:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Linear)
+        if type(child) in (nn.Linear, PackedLinear)  # another subclass computes otherwise
     ]
     weights = [child.weight for _, _, child in linears]
     frozen = all(

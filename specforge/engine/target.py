@@ -114,7 +114,12 @@ class TargetEngine:
     """
 
     def __init__(
-        self, model: nn.Module, *, aux_layer_ids: list[int], compile: bool, row_buckets=True
+        self,
+        model: nn.Module,
+        *,
+        aux_layer_ids: list[int],
+        compile: bool,
+        row_buckets: bool = True,
     ):
         self.model = model
         self.decoder, self.layers = find_decoder(model)

@@ -98,6 +98,14 @@ def test_weights_that_may_change_or_do_not_fit_get_no_buckets(monkeypatch):
     with pytest.raises(ValueError, match="requires_grad=True"):
         PackedLinear.wrap(model[0]).pack_row_buckets()
     assert bucket_linears(frozen_linears(bias=True).to(torch.bfloat16)) == 0
+
+    class Scaled(nn.Linear):  # computes more than its weight says: left alone
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    mixed = frozen_linears(bias=True)
+    mixed[1].__class__ = Scaled
+    assert bucket_linears(mixed) == 1 and type(mixed[1]) is Scaled
     weights = sum(p.numel() * 4 for p in frozen_linears(bias=True).parameters() if p.dim() == 2)
     monkeypatch.setattr("specforge.engine.row_buckets.MAX_BUCKET_BYTES", weights)
     assert bucket_linears(frozen_linears(bias=True)) == 0  # two copies would not fit
