@@ -165,10 +165,17 @@ def build_decode_kernel(timeout_s: float = BUILD_TIMEOUT_S):
         return _load(directory)
 
 
-@functools.cache
 def load_decode_kernel() -> tuple[Callable | None, str | None]:
     """``(kernel, None)``, or ``(None, why it is unavailable)``; built once per machine and
     loaded once per process."""
+    module, missing = load_kernel_module()
+    return (None, missing) if module is None else (module.decode_attention, None)
+
+
+@functools.cache
+def load_kernel_module():
+    """``(the built module, None)``, or ``(None, why it is unavailable)``: the attention
+    kernel, and ``register_bucket_linear`` (:mod:`specforge.engine.row_buckets`)."""
     capability = torch.backends.cpu.get_cpu_capability()
     if platform.machine().lower() not in ("x86_64", "amd64") or not capability.startswith("AVX512"):
         return None, f"it needs an x86-64 CPU with AVX-512 (PyTorch reports {capability})"
@@ -179,7 +186,7 @@ def load_decode_kernel() -> tuple[Callable | None, str | None]:
     except Exception as error:  # no compiler or ninja, an unloadable build: PyTorch's attention
         reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return None, f"building it failed ({type(error).__name__}: {reason})"
-    return module.decode_attention, None
+    return module, None
 
 
 def check_decode_kernel_mode(mode: str) -> None:

@@ -38,7 +38,7 @@ import logging
 import torch
 from torch import nn
 
-from specforge.engine.decode_kernel import load_decode_kernel
+from specforge.engine.decode_kernel import load_kernel_module
 from specforge.models.packed_linear import ROW_BUCKETS, PackedLinear
 
 logger = logging.getLogger(__name__)
@@ -58,9 +58,10 @@ def row_buckets_missing() -> str | None:
     shapes known to ``torch.compile``)."""
     if not torch.backends.mkl.is_available() or not hasattr(torch.ops.mkl, "_mkl_linear"):
         return "this PyTorch build has no MKL"
-    kernel, missing = load_decode_kernel()  # the module that registers the op
-    if kernel is None:
+    module, missing = load_kernel_module()
+    if module is None:
         return missing
+    module.register_bucket_linear()
     torch.library.register_fake("specforge::bucket_linear", _bucket_linear_shape)
     return None
 

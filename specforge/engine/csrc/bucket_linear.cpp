@@ -12,6 +12,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -48,13 +49,22 @@ at::Tensor bucket_linear(const at::Tensor& x, const at::Tensor& weight,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(specforge, m) {
-  m.def(
+// Defines and implements specforge::bucket_linear once per process, when called (not when the
+// module loads: a process that loads a second build of the module, as the build tests do, must
+// not register the op twice, which aborts). Every backend: the packed weights are MKL tensors,
+// which dispatch as MkldnnCPU.
+void register_bucket_linear() {
+  static std::unique_ptr<torch::Library> definition, implementation;
+  if (c10::Dispatcher::singleton().findSchema({"specforge::bucket_linear", ""}).has_value()) {
+    return;
+  }
+  definition = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "specforge",
+                                                std::nullopt, __FILE__, __LINE__);
+  definition->def(
       "bucket_linear(Tensor x, Tensor weight, Tensor? bias, int default_rows, "
       "Tensor packed_small, int small_rows, Tensor packed_large, int large_rows) -> Tensor");
-}
-
-// every backend: the packed weights are MKL tensors, which dispatch as MkldnnCPU
-TORCH_LIBRARY_IMPL(specforge, CompositeExplicitAutograd, m) {
-  m.impl("bucket_linear", &bucket_linear);
+  implementation = std::make_unique<torch::Library>(
+      torch::Library::IMPL, "specforge", c10::DispatchKey::CompositeExplicitAutograd, __FILE__,
+      __LINE__);
+  implementation->impl("bucket_linear", &bucket_linear);
 }

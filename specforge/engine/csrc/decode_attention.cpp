@@ -213,6 +213,10 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k, const 
   return out;
 }
 
+void register_bucket_linear();  // bucket_linear.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "grouped-query decode attention (AVX-512)");
+  m.def("register_bucket_linear", &register_bucket_linear,
+        "define specforge::bucket_linear, once per process");
 }
