@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from specforge.engine.decode_kernel import load_kernel_module
-from specforge.models.packed_linear import ROW_BUCKETS, PackedLinear
+from specforge.models.packed_linear import ROW_BUCKETS, PackedLinear, bucketable
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +79,7 @@ def bucket_linears(model: nn.Module) -> int:
         if type(child) in (nn.Linear, PackedLinear)  # another subclass computes otherwise
     ]
     weights = [child.weight for _, _, child in linears]
-    frozen = all(
-        w.dtype == torch.float32 and w.device.type == "cpu" and not w.requires_grad for w in weights
-    )
+    frozen = all(bucketable(w) for w in weights)
     copies = sum(w.numel() * w.element_size() for w in weights) * len(ROW_BUCKETS)
     if not linears or not frozen or copies > MAX_BUCKET_BYTES:
         return 0

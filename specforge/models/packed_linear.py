@@ -86,6 +86,14 @@ BUCKET_DEFAULT_ROWS = 3
 reads the weight once up to 3 rows, as fast as a bucket."""
 
 
+def bucketable(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` may get row buckets: frozen (packed once, it must not change),
+    float32 (MKL's packed product) and on the CPU."""
+    return (
+        not weight.requires_grad and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    )
+
+
 def packed_linear_available() -> bool:
     """Whether this PyTorch build has oneDNN's reordered-weight linear."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -161,7 +169,7 @@ class PackedLinear(nn.Linear):
             ValueError: a weight that is trainable, not float32, or not on the CPU.
         """
         weight = self.weight
-        if weight.requires_grad or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        if not bucketable(weight):
             raise ValueError(
                 "row buckets need a frozen float32 CPU weight, got "
                 f"{weight.dtype} on {weight.device} (requires_grad={weight.requires_grad})"
