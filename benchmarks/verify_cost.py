@@ -52,17 +52,18 @@ def median_ms(fn, repeats: int) -> float:
 
 
 @torch.no_grad()
-def engine_timings(target, args) -> dict[str, dict[int, float]]:
+def engine_timings(target, args) -> tuple[dict[str, dict[int, float]], dict[str, str]]:
     """Median ms of the engine's forward over ``k`` new tokens after the prefill, for each
     ``k`` in ``--tokens``: eager, compiled with PyTorch's default linear, and compiled as the
-    bench runs it (row buckets on a CPU in float32). The engines are built and warmed first,
+    bench runs it (on a CPU in float32, row buckets with the row plan it measures, returned
+    too). The engines are built and warmed first,
     then timed in turn call by call, so that a machine whose speed drifts slows all alike."""
     from specforge.engine.target import TargetEngine
 
     aux = default_aux_layer_ids(target.config.num_hidden_layers)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.config.vocab_size, (1, args.context), generator=generator)
-    calls = {}
+    calls, plan = {}, {}
     engines = (
         ("engine, eager", target, False, False),
         # its own copy of the target: the next engine gives the shared layers row buckets
@@ -73,6 +74,7 @@ def engine_timings(target, args) -> dict[str, dict[int, float]]:
         engine = TargetEngine(model, aux_layer_ids=aux, compile=compile, row_buckets=buckets)
         cache = engine.new_cache(args.context + max(args.tokens))
         engine.forward(prompt, cache)
+        plan = engine.stats.row_plan or plan
 
         def call(k: int, engine=engine, cache=cache) -> float:
             ids = torch.randint(0, 1000, (1, k), generator=generator)
@@ -90,10 +92,11 @@ def engine_timings(target, args) -> dict[str, dict[int, float]]:
         for k in args.tokens:
             for name, call in calls.items():
                 times[name][k].append(call(k))
-    return {
+    medians = {
         name: {k: 1000 * statistics.median(ts) for k, ts in by_k.items()}
         for name, by_k in times.items()
     }
+    return medians, plan
 
 
 @torch.no_grad()
@@ -196,7 +199,7 @@ def main() -> None:
         "draft_extension_after_verification_ms": extension_ms,
     }
     if args.engine:
-        result["engine_forward_ms"] = engine_timings(target, args)
+        result["engine_forward_ms"], result["engine_row_plan"] = engine_timings(target, args)
     write_result(Path(args.output), result)
     print(f"\n{args.target} ({args.dtype}), context {args.context}")
     names = list(kernels)
@@ -212,6 +215,8 @@ def main() -> None:
     for name, ms in result.get("engine_forward_ms", {}).items():
         cells = ", ".join(f"{k}: {v:.1f} ({v / ms[args.tokens[0]]:.2f}x)" for k, v in ms.items())
         print(f"{name}, ms by new tokens: {cells}")
+    if "engine_row_plan" in result:
+        print(f"engine, compiled: row plan {result['engine_row_plan'] or 'none'}")
     steps = ", ".join(f"{n} {kernels[n]['draft_step_ms']:.2f} ms" for n in names)
     print(f"\ndraft step: {steps}")
     extensions = ", ".join(f"{name} {ms:.2f} ms" for name, ms in extension_ms.items())

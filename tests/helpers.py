@@ -31,6 +31,12 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<pad>"]
 
 
+EVERY_KERNEL_PLAN = (0, 2, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 0)
+"""A row plan (``specforge.models.packed_linear.PLAN_ROWS``) naming every kernel: one row by
+oneDNN, 2-3 by the default, 4-8 by MKL's 8-row bucket, 9-16 by oneDNN, more by the default; what
+the compiled engine's tests run, whatever this CPU measures fastest."""
+
+
 def make_tiny_tokenizer(chat_template: str | None = CHATML_TEMPLATE):
     """A byte-level BPE tokenizer (one token per byte, a few merges) with ChatML specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

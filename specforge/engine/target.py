@@ -34,7 +34,7 @@ from specforge.engine.row_buckets import bucket_linears
 from specforge.errors import UserError
 from specforge.models.adapter import architecture, check_logits, find_decoder, text_config
 from specforge.models.kv_cache import cache_kwargs, growing_cache
-from specforge.models.packed_linear import PackedLinear
+from specforge.models.packed_linear import PackedLinear, describe_plan
 from specforge.models.target import GROUPED_SDPA, check_aux_layer_ids, target_hidden_states
 
 logger = logging.getLogger(__name__)
@@ -82,8 +82,10 @@ class EngineStats:
     compile_seconds: float = 0.0
     """Wall time of forwards that compiled a graph (the warm-up a user waits for)."""
     row_buckets: int = 0
-    """Linear layers whose compiled few-row calls run at a packed row count
+    """Linear layers whose compiled calls follow a row plan
     (:func:`~specforge.engine.row_buckets.bucket_linears`; compiled on a CPU, float32)."""
+    row_plan: dict[str, str] = field(default_factory=dict)
+    """Their kernel by row count (:func:`~specforge.models.packed_linear.describe_plan`)."""
 
     def as_dict(self) -> dict:
         return {
@@ -91,6 +93,7 @@ class EngineStats:
             "compilations": self.compilations,
             "compile_seconds": round(self.compile_seconds, 2),
             "row_buckets": self.row_buckets,
+            "row_plan": self.row_plan,
             "shapes": sorted(f"{t}x{span}" for t, span in self.shapes),
         }
 
@@ -105,9 +108,10 @@ class TargetEngine:
         aux_layer_ids: the three decoder layers the draft reads.
         compile: run the layer loop through ``torch.compile`` (both sizes dynamic), or on a
             CUDA device as CUDA graphs (:class:`~specforge.engine.graphs.CudaGraphs`).
-        row_buckets: compiled on a CPU, give the layers' float32 linears row buckets
-            (:func:`~specforge.engine.row_buckets.bucket_linears`; off: PyTorch's default
-            product, a comparison's baseline).
+        row_buckets: compiled on a CPU, give the layers' float32 linears row buckets with
+            the plan measured fastest here, or with the plan given
+            (:func:`~specforge.engine.row_buckets.bucket_linears`); off: PyTorch's default
+            product, a comparison's baseline.
 
     Raises:
         UserError: a target the engine cannot run exactly (:meth:`refusal`).
@@ -119,7 +123,7 @@ class TargetEngine:
         *,
         aux_layer_ids: list[int],
         compile: bool,
-        row_buckets: bool = True,
+        row_buckets: bool | tuple[int, ...] = True,
     ):
         self.model = model
         self.decoder, self.layers = find_decoder(model)
@@ -142,11 +146,19 @@ class TargetEngine:
         if compile and self.device.type == "cuda":
             self._run = CudaGraphs(self._layers, self._pool)
         elif compile:
-            # float32 verifications of 4-16 tokens read each weight once, as one token does
-            self.stats.row_buckets = bucket_linears(self.layers) if row_buckets else 0
+            # float32 linears: the kernel measured fastest here for each row count
+            self._bucket(row_buckets)
             self._run = torch.compile(self._layers, dynamic=True, fullgraph=True)
-        if self.stats.row_buckets:
-            self._bucketed = [m for m in self.layers.modules() if isinstance(m, PackedLinear)]
+
+    def _bucket(self, row_buckets: bool | tuple[int, ...]) -> None:
+        if row_buckets is False:
+            return
+        plan = bucket_linears(self.layers, None if row_buckets is True else row_buckets)
+        if plan:
+            self._bucketed = [
+                m for m in self.layers.modules() if isinstance(m, PackedLinear) and m._plan
+            ]
+            self.stats.row_buckets, self.stats.row_plan = len(self._bucketed), describe_plan(plan)
 
     @property
     def graphs(self) -> bool:

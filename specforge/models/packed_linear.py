@@ -40,12 +40,13 @@ rows than ``max_rows``, a weight changed since it was packed (it is packed again
 or a graph being compiled.
 
 **Row buckets, inside compiled graphs.** A graph ``torch.compile`` built calls PyTorch's
-default product, which from 4 rows on repacks the weight on every call. A layer given row
-buckets (:meth:`PackedLinear.pack_row_buckets`, which
+default product, which on some CPUs repacks the weight on every call of 4 or more rows and on
+others reads it at half oneDNN's memory bandwidth. A layer given row buckets
+(:meth:`PackedLinear.pack_row_buckets`, which
 :func:`specforge.engine.row_buckets.bucket_linears` calls) holds its weight packed by MKL for
-:data:`ROW_BUCKETS` rows, and a compiled graph's float32 call of 2 or more rows runs the op
-``specforge::bucket_linear``, which reads the weight once (:mod:`specforge.engine.row_buckets`
-says why and what it measured).
+:data:`ROW_BUCKETS` rows and reordered by oneDNN, and a compiled graph's float32 call runs the
+op ``specforge::bucket_linear`` with a plan: for each row count, the kernel measured fastest on
+this CPU (:mod:`specforge.engine.row_buckets` says why and what it measured).
 """
 
 from __future__ import annotations
@@ -78,12 +79,37 @@ stay default; its 576x576 and larger layers are packed."""
 
 
 ROW_BUCKETS = (8, 16)
-"""The row counts a layer's row buckets are packed for: a compiled graph's float32 call of
-:data:`BUCKET_DEFAULT_ROWS` + 1 to 16 rows is padded to the first that holds it."""
+"""The row counts MKL's packings are made for: a call planned for MKL is padded to the first
+that holds it."""
 
-BUCKET_DEFAULT_ROWS = 3
-"""Calls of at most this many rows keep the default inside compiled graphs too: MKL's default
-reads the weight once up to 3 rows, as fast as a bucket."""
+DEFAULT, MKL_BUCKET, ONEDNN = 0, 1, 2
+"""The kernels of a row plan (``csrc/bucket_linear.cpp``): PyTorch's default product, MKL's
+product over the weight packed for a row bucket, oneDNN's over the weight reordered once."""
+
+KERNEL_NAMES = {DEFAULT: "default", MKL_BUCKET: "mkl_bucket", ONEDNN: "onednn"}
+
+PLAN_ROWS = 17
+"""A row plan names the kernel for calls of 1 to ``PLAN_ROWS - 1`` rows (``plan[rows]``) and,
+at ``plan[PLAN_ROWS]``, for every larger call; ``plan[0]`` is unused."""
+
+
+def describe_plan(plan: tuple[int, ...]) -> dict[str, str]:
+    """A row plan as ``bench.json`` reports it: row ranges to kernel names, e.g.
+    ``{"1": "onednn", "2-3": "default", "4-16": "mkl_bucket", "17+": "onednn"}``."""
+    spans: list[list[int]] = []
+    for rows in range(1, len(plan)):
+        if spans and plan[spans[-1][0]] == plan[rows]:
+            spans[-1][1] = rows
+        else:
+            spans.append([rows, rows])
+    last = len(plan) - 1
+
+    def name(first: int, end: int) -> str:
+        if end == last:
+            return f"{first}+"
+        return str(first) if first == end else f"{first}-{end}"
+
+    return {name(first, end): KERNEL_NAMES[plan[first]] for first, end in spans}
 
 
 def bucketable(weight: torch.Tensor) -> bool:
@@ -142,10 +168,13 @@ class PackedLinear(nn.Linear):
     _pad_one_row: bool
     """A one-row call runs as two rows (:func:`_one_row_rounds_apart` when packed)."""
     _buckets: tuple[torch.Tensor, torch.Tensor] | None
-    """The weight packed by MKL for each of :data:`ROW_BUCKETS` rows (compiled graphs'
-    few-row calls), or ``None``: :meth:`pack_row_buckets`."""
+    """The weight packed by MKL for each of :data:`ROW_BUCKETS` rows, or ``None``:
+    :meth:`pack_row_buckets`."""
     _buckets_from: tuple | None
-    """The weight's key when :attr:`_buckets` were packed (:meth:`buckets_stale`)."""
+    """The weight's key when it was packed for compiled graphs (:meth:`buckets_stale`)."""
+    _plan: tuple[int, ...] | None
+    """The kernel of a compiled graph's float32 call by its row count (see
+    :data:`PLAN_ROWS`), or ``None``: PyTorch's default there."""
 
     @classmethod
     def wrap(cls, linear: nn.Linear, *, max_rows: int = MAX_PACKED_ROWS) -> PackedLinear:
@@ -156,13 +185,14 @@ class PackedLinear(nn.Linear):
         module.weight, module.bias = linear.weight, linear.bias
         module.max_rows, module._packed, module._packed_from = max_rows, None, None
         module._pad_one_row = False
-        module._buckets, module._buckets_from = None, None
+        module._buckets, module._buckets_from, module._plan = None, None, None
         module.train(linear.training)
         return module
 
-    def pack_row_buckets(self) -> None:
-        """Pack the weight for :data:`ROW_BUCKETS` rows, which compiled graphs then use for
-        float32 calls of 4 to 16 rows (the weight must not change afterwards: a frozen
+    def pack_row_buckets(self, kernels: tuple[int, ...] = (MKL_BUCKET, ONEDNN)) -> None:
+        """Pack the weight for compiled graphs: by MKL for :data:`ROW_BUCKETS` rows
+        (``MKL_BUCKET`` in ``kernels``) and reordered by oneDNN (``ONEDNN``), which
+        :meth:`use_plan` then chooses from; the weight must not change afterwards (a frozen
         target's; :meth:`buckets_stale` tells).
 
         Raises:
@@ -174,20 +204,49 @@ class PackedLinear(nn.Linear):
                 "row buckets need a frozen float32 CPU weight, got "
                 f"{weight.dtype} on {weight.device} (requires_grad={weight.requires_grad})"
             )
-        reorder = torch.ops.mkl._mkl_reorder_linear_weight
-        small, large = (reorder(weight.detach(), rows) for rows in ROW_BUCKETS)
-        self._buckets, self._buckets_from = (small, large), self._weight_key()
+        key, detached = self._weight_key(), weight.detach()
+        if MKL_BUCKET in kernels:
+            reorder = torch.ops.mkl._mkl_reorder_linear_weight
+            self._buckets = tuple(reorder(detached, rows) for rows in ROW_BUCKETS)
+        if ONEDNN in kernels and packed_linear_available():
+            self._pack_onednn(key)
+        self._buckets_from = key
+
+    def use_plan(self, plan: tuple[int, ...] | None) -> None:
+        """Run a compiled graph's float32 calls by ``plan`` (the kernel by row count, see
+        :data:`PLAN_ROWS`; ``None``: PyTorch's default), dropping the packings it does not
+        name (oneDNN's stays where eager calls use it too).
+
+        Raises:
+            ValueError: a plan of another length, naming a kernel that was not packed, or MKL's
+                buckets for more rows than they hold.
+        """
+        if plan is not None:
+            if len(plan) != PLAN_ROWS + 1 or not set(plan) <= set(KERNEL_NAMES):
+                raise ValueError(f"a row plan has {PLAN_ROWS + 1} kernels of 0-2, got {plan}")
+            if plan[PLAN_ROWS] == MKL_BUCKET:
+                raise ValueError(f"MKL's buckets hold at most {ROW_BUCKETS[-1]} rows: {plan}")
+            if MKL_BUCKET in plan[1:] and self._buckets is None:
+                raise ValueError(f"the plan {plan} names MKL buckets this layer was not given")
+            if ONEDNN in plan[1:] and self._packed_from != self._buckets_from:
+                raise ValueError(f"the plan {plan} names oneDNN, whose packing is missing")
+        self._plan = plan
+        if plan is None or MKL_BUCKET not in plan[1:]:
+            self._buckets = None
+        if (plan is None or ONEDNN not in plan[1:]) and self.max_rows == 0:
+            self._packed, self._packed_from = None, None
 
     def buckets_stale(self) -> bool:
         """Whether the weight changed since its row buckets were packed (a compiled graph
         cannot check: the caller refuses to run it)."""
-        return self._buckets is not None and self._buckets_from != self._weight_key()
+        return self._plan is not None and self._buckets_from != self._weight_key()
 
     def __getstate__(self) -> dict:
         # packed weights are opaque tensors, which cannot be copied or pickled: a copy packs
         # its weight again on first use, and goes without row buckets (an engine gives its own
         # model buckets)
         unpacked = {"_packed": None, "_packed_from": None, "_buckets": None, "_buckets_from": None}
+        unpacked["_plan"] = None
         return {**super().__getstate__(), **unpacked}
 
     def _weight_key(self) -> tuple:
@@ -209,33 +268,45 @@ class PackedLinear(nn.Linear):
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         )
 
-    def _buckets_apply(self, x: torch.Tensor) -> bool:
-        # a one-row graph (dynamic shapes specialise sizes 1) keeps the default's kernel
+    def _plan_applies(self, x: torch.Tensor) -> bool:
+        # a one-row graph (dynamic shapes specialise sizes 1) calls the op only where the plan
+        # names another kernel than the default for one row
         return (
-            self._buckets is not None
+            self._plan is not None
             and x.dtype == torch.float32
             and x.device.type == "cpu"
-            and math.prod(x.shape[:-1]) != 1
             and not (torch.is_grad_enabled() and x.requires_grad)
+            and (math.prod(x.shape[:-1]) != 1 or self._plan[1] != DEFAULT)
         )
 
+    def _pack_onednn(self, key: tuple) -> None:
+        bias = None if self.bias is None else self.bias.detach()
+        with torch.no_grad():
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 4)
+            self._pad_one_row = _one_row_rounds_apart(
+                self._packed, bias, self.in_features, self.weight.dtype
+            )
+        self._packed_from = key
+
+    def run_plan(self, x: torch.Tensor, plan: tuple[int, ...] | list[int]) -> torch.Tensor:
+        """This layer over ``x`` through the op ``specforge::bucket_linear``
+        (``engine/csrc/bucket_linear.cpp``), each row count by ``plan``'s kernel: what a
+        compiled graph runs (and what :func:`~specforge.engine.row_buckets.measure_plan`
+        times)."""
+        (small, large), (small_rows, large_rows) = self._buckets or (None, None), ROW_BUCKETS
+        onednn = self._packed if ONEDNN in plan[1:] else None
+        args = (list(plan), onednn, self._pad_one_row, small, small_rows, large, large_rows)
+        return torch.ops.specforge.bucket_linear(x, self.weight, self.bias, *args)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and self._buckets_apply(x):
-            (small, large), (small_rows, large_rows) = self._buckets, ROW_BUCKETS
-            op = torch.ops.specforge.bucket_linear  # engine/csrc/bucket_linear.cpp
-            few = BUCKET_DEFAULT_ROWS
-            return op(x, self.weight, self.bias, few, small, small_rows, large, large_rows)
+        if torch.compiler.is_compiling() and self._plan_applies(x):
+            return self.run_plan(x, self._plan)
         if not self._usable(x):
             return F.linear(x, self.weight, self.bias)
         key = self._weight_key()
         bias = None if self.bias is None else self.bias.detach()
         if self._packed_from != key:
-            with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 4)
-                self._pad_one_row = _one_row_rounds_apart(
-                    self._packed, bias, self.in_features, self.weight.dtype
-                )
-            self._packed_from = key
+            self._pack_onednn(key)
         if self._pad_one_row and x.numel() == self.in_features:
             # (..., 1, in) -> (2, in) -> first row (..., 1, out): a many-row call's bits
             twice = x.reshape(1, -1).expand(2, -1).contiguous()

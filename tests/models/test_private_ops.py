@@ -1,9 +1,9 @@
 """The private PyTorch ops two CPU layers are built on, pinned: ``PackedLinear`` calls oneDNN's
-``torch.ops.mkldnn`` pair and, inside compiled graphs, MKL's ``torch.ops.mkl`` pair (the ops
-inductor emits for frozen CPU graphs), and ``Int8Linear`` calls ``torch._weight_int8pack_mm``.
-Private ops may change between PyTorch releases; where one vanishes or changes its signature
-the layers would fall back or fail at run time, so these tests fail first, naming the op (the
-modules' docstrings say why we keep them)."""
+``torch.ops.mkldnn`` pair and, inside compiled graphs (through ``specforge::bucket_linear``),
+that pair and MKL's ``torch.ops.mkl`` pair (the ops inductor emits for frozen CPU graphs), and
+``Int8Linear`` calls ``torch._weight_int8pack_mm``. Private ops may change between PyTorch
+releases; where one vanishes or changes its signature the layers would fall back or fail at run
+time, so these tests fail first, naming the op (the modules' docstrings say why we keep them)."""
 
 import platform
 
