@@ -10,10 +10,12 @@ how fast that is depends on the CPU:
   tokens (``docs/results/verify_cost_engine_cpu.json``). MKL's product over a weight packed
   once for a fixed row count (the ``torch.ops.mkl`` pair inductor emits for frozen float32
   graphs) read it once: 2.6-2.9 ms at 4-16 rows.
-- On a 2-core Zen 4 EPYC, MKL read SmolLM2's weights at about half oneDNN's bandwidth: its 210
-  linears took 23 ms a token inside the compiled graph, where oneDNN's product over weights
-  reordered once (the eager engine's, :mod:`specforge.models.packed_linear`) took ~10, and 2-3
-  rows cost MKL 2-3 times one row. There MKL's row buckets were slower than the default.
+- On a 2-core Zen 5 EPYC (AVX512-BF16), MKL read SmolLM2's weights at about half oneDNN's
+  bandwidth: its 210 linears took 23 ms a token inside the compiled graph, where oneDNN's
+  product over weights reordered once (the eager engine's, :mod:`specforge.models.packed_linear`)
+  took ~10, and through the compiled engine 2-3 tokens cost 1.4-1.6 times one
+  (``docs/results/verify_cost_row_plan_cpu.json``). There MKL's row buckets were slower than
+  the default.
 
 How: :func:`bucket_linears` packs every linear layer of the engine's decoder both ways (MKL
 for :data:`~specforge.models.packed_linear.ROW_BUCKETS`, 8 and 16 rows; oneDNN), times one
@@ -133,8 +135,8 @@ def measure_plan(linears: list[PackedLinear], repeats: int = 3) -> tuple[int, ..
     several = MEASURED_ROWS[1:]
     if sum(seconds[r, best[r]] for r in several) >= MARGIN * sum(seconds[r, None] for r in several):
         best.update(dict.fromkeys(several, DEFAULT))
-    plan = [DEFAULT] + [best[min(r for r in MEASURED_ROWS if r >= rows)] for rows in range(1, 17)]
-    return (*plan, best[MEASURED_ROWS[-1]])
+    measured = [best[min(r for r in MEASURED_ROWS if r >= rows)] for rows in range(1, PLAN_ROWS)]
+    return (DEFAULT, *measured, best[MEASURED_ROWS[-1]])
 
 
 def bucket_linears(model: nn.Module, plan: tuple[int, ...] | None = None) -> tuple[int, ...]:
