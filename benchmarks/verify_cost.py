@@ -56,8 +56,8 @@ def engine_timings(target, args) -> tuple[dict[str, dict[int, float]], dict[str,
     """Median ms of the engine's forward over ``k`` new tokens after the prefill, for each
     ``k`` in ``--tokens``: eager, compiled with PyTorch's default linear, and compiled as the
     bench runs it (on a CPU in float32, row buckets with the row plan it measures, returned
-    too). The engines are built and warmed first,
-    then timed in turn call by call, so that a machine whose speed drifts slows all alike."""
+    too). The engines are built and warmed first, then timed in turn call by call, so that a
+    machine whose speed drifts slows all alike."""
     from specforge.engine.target import TargetEngine
 
     aux = default_aux_layer_ids(target.config.num_hidden_layers)
