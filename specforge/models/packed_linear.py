@@ -208,8 +208,8 @@ class PackedLinear(nn.Linear):
         if MKL_BUCKET in kernels:
             reorder = torch.ops.mkl._mkl_reorder_linear_weight
             self._buckets = tuple(reorder(detached, rows) for rows in ROW_BUCKETS)
-        if ONEDNN in kernels and packed_linear_available():
-            self._pack_onednn(key)
+        if ONEDNN in kernels and packed_linear_available() and self._packed_from != key:
+            self._pack_onednn(key)  # unless its eager calls already reordered this weight
         self._buckets_from = key
 
     def use_plan(self, plan: tuple[int, ...] | None) -> None:
