@@ -602,6 +602,10 @@ AUTO_MAX_DEPTH = 7
 """The deepest chain ``bench.num_steps: auto`` drafts (SGLang's adaptive tiers stop at 7 too);
 also the most first-position siblings ``bench.auto_siblings`` may ask for."""
 
+AUTO_MAX_LOOKUP = 16
+"""The most prompt-lookup tokens ``bench.auto_lookup`` may verify in a round (deeper than the
+draft's chains: lookup's proposals cost no draft step)."""
+
 
 @dataclass
 class BenchConfig:
@@ -629,12 +633,14 @@ class BenchConfig:
     """``num_steps: auto``, greedy: at most this many further candidates for the first draft
     position, verified beside the chain (a small tree) in rounds where the costs say they pay;
     0 keeps ``auto`` to chains. Ignored where the target's attention cannot verify a tree."""
-    auto_lookup: int = 7
+    auto_lookup: int = 10
     """``num_steps: auto``: prompt lookup competes with the draft. Each round, the up to this
-    many tokens that followed the last n-gram's earlier occurrence in the conversation are
-    verified instead of the draft's tokens when their measured acceptance promises more tokens
-    per second (learnt every round from the target's tokens); 0: the draft's always. A fixed
-    depth does not use it. The outputs stay the target's either way."""
+    many tokens that followed the earlier occurrence of the last token whose context matches
+    the conversation's for longest are verified instead of the draft's tokens, or beside them,
+    when their measured acceptance (learnt every round from the target's tokens, by match
+    length) promises more tokens per second; 0: the draft's always. It may exceed the draft's
+    depth (up to 16; the default, 10, is the prompt-lookup baseline's). A fixed depth does not
+    use it. The outputs stay the target's either way."""
     max_new_tokens: int = 256
     """Longest answer per turn."""
     dtype: Dtype = "float32"
@@ -681,9 +687,9 @@ class BenchConfig:
             )
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"bench.limit must be >= 1 or null, got {self.limit}")
-        if not 0 <= self.auto_lookup <= AUTO_MAX_DEPTH:
+        if not 0 <= self.auto_lookup <= AUTO_MAX_LOOKUP:
             raise ConfigError(
-                f"bench.auto_lookup must be in 0..{AUTO_MAX_DEPTH}, got {self.auto_lookup}"
+                f"bench.auto_lookup must be in 0..{AUTO_MAX_LOOKUP}, got {self.auto_lookup}"
             )
         if not 0 <= self.auto_siblings <= AUTO_MAX_DEPTH:
             raise ConfigError(

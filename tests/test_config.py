@@ -164,7 +164,7 @@ def test_missing_file_and_non_mapping(tmp_path):
         "bench.auto_siblings=-1",
         "bench.auto_siblings=8",
         "bench.auto_lookup=-1",
-        "bench.auto_lookup=8",
+        "bench.auto_lookup=17",
     ],
 )
 def test_numeric_fields_out_of_range_are_refused_naming_the_key(override):

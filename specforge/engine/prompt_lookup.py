@@ -38,6 +38,30 @@ def ngram_candidates(sequence: torch.Tensor, *, num_tokens: int, max_ngram: int 
     return sequence[:0]
 
 
+def longest_match(sequence: torch.Tensor, *, num_tokens: int, max_match: int = 8):
+    """The proposal after ``sequence`` (L,) from the earlier occurrence of its last token whose
+    preceding tokens match ``sequence``'s own for longest (at most ``max_match`` tokens; the
+    earliest such occurrence on a tie, as :func:`ngram_candidates` takes: in a repeating
+    stretch it has the most tokens after it): the up to ``num_tokens`` tokens that followed it, and
+    that match's length (0 and an empty tensor when the last token occurs nowhere earlier, or
+    ``num_tokens`` is 0). How far back a match reaches says how far its continuation can be
+    trusted, so greedy ``auto`` learns its acceptance by that length."""
+    length = sequence.shape[0]
+    ends = (sequence[:-1] == sequence[-1]).nonzero()[:, 0]  # earlier copies of the last token
+    if num_tokens < 1 or not len(ends):
+        return sequence[:0], 0
+    matched, alive = torch.ones_like(ends), torch.ones_like(ends, dtype=torch.bool)
+    for back in range(1, min(max_match, length)):
+        earlier = ends - back
+        alive &= (earlier >= 0) & (sequence[earlier.clamp(min=0)] == sequence[length - 1 - back])
+        if not alive.any():
+            break
+        matched += alive
+    best = int(matched.max())
+    start = int(ends[matched == best][0]) + 1
+    return sequence[start : start + num_tokens], best
+
+
 @torch.no_grad()
 def prompt_lookup_generate(
     engine: TargetEngine,

@@ -187,11 +187,11 @@ def best_siblings(candidates: list[float], chain: list[float], costs: CostModel)
 
 
 def best_depth(acceptance: list[float], costs: CostModel) -> int:
-    """The depth in ``0 .. costs.max_depth`` with the most expected tokens per second (the
-    shallower one on a tie)."""
+    """The depth in ``0 .. len(acceptance)`` (within the widths calibrated) with the most
+    expected tokens per second (the shallower one on a tie)."""
     rates = [
         expected_tokens(acceptance, depth) / costs.round_seconds(depth)
-        for depth in range(costs.max_depth + 1)
+        for depth in range(min(len(acceptance), costs.max_depth) + 1)
     ]
     return max(range(len(rates)), key=lambda depth: (rates[depth], -depth))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 
@@ -31,7 +32,7 @@ from specforge.config import AUTO_MAX_DEPTH
 from specforge.engine.cache import SlotKVCache, crop_cache, gather_cache
 from specforge.engine.draft import DraftEngine
 from specforge.engine.generation import warp_probs
-from specforge.engine.prompt_lookup import ngram_candidates
+from specforge.engine.prompt_lookup import longest_match
 from specforge.engine.target import TargetEngine
 from specforge.errors import UserError
 from specforge.models.adapter import check_logits, serving_refusal, tree_refusal
@@ -231,31 +232,43 @@ class PromptLookup:
 
     tokens: int
     """The most tokens proposed (and verified) in a round."""
-    estimates: tuple[AcceptanceEstimate, AcceptanceEstimate] = field(init=False)
-    """Running acceptance per position of the proposals whose first token differs from the
-    draft's first choice, and of those that start with it (a proposal the draft agrees with
-    is accepted far more often), learnt from every round's emitted tokens, verified or not."""
+    match_buckets: ClassVar[tuple[int, ...]] = (2, 3, 5)
+    """The match lengths (:func:`~specforge.engine.prompt_lookup.longest_match`) from which a
+    proposal is learnt apart: 1, 2, 3-4 and 5 or more tokens (a proposal after a longer match
+    is accepted far more often)."""
+    estimates: dict[tuple[bool, int], AcceptanceEstimate] = field(init=False)
+    """Running acceptance per position of the proposals, by whether they start with the
+    draft's first choice (one it agrees with is accepted far more often) and by their match
+    length's bucket, learnt from every round's emitted tokens, verified or not."""
     proposal: torch.Tensor | None = None
     """This round's proposal (``None``: none)."""
     agrees: bool = False
     """Whether :attr:`proposal` starts with the draft's first choice (:meth:`compare`)."""
+    bucket: int = 0
+    """:attr:`proposal`'s match-length bucket (an index past :attr:`match_buckets`' last
+    length below its match)."""
 
     def __post_init__(self) -> None:
-        self.estimates = (AcceptanceEstimate(self.tokens), AcceptanceEstimate(self.tokens))
+        self.estimates = {
+            (agrees, bucket): AcceptanceEstimate(self.tokens)
+            for agrees in (False, True)
+            for bucket in range(len(self.match_buckets) + 1)
+        }
 
     @property
     def estimate(self) -> AcceptanceEstimate:
         """The estimate this round's proposal falls under."""
-        return self.estimates[self.agrees]
+        return self.estimates[self.agrees, self.bucket]
 
     def propose(self, prompt: torch.Tensor, output: list[int], *, awake: bool) -> None:
         """This round's :attr:`proposal` after ``prompt`` (T,) and ``output``: ``None`` while
-        the draft sleeps or when no earlier n-gram matches."""
+        the draft sleeps or when the last token occurs nowhere earlier."""
         self.proposal, self.agrees = None, False
         if awake:
             sequence = torch.cat([prompt.cpu(), torch.tensor(output)])
-            proposal = ngram_candidates(sequence, num_tokens=self.tokens)
+            proposal, matched = longest_match(sequence, num_tokens=self.tokens)
             self.proposal = proposal if len(proposal) else None
+            self.bucket = sum(matched >= length for length in self.match_buckets)
 
     def compare(self, draft_first: int) -> None:
         """Note whether the proposal starts with ``draft_first``, the draft's first choice
@@ -388,7 +401,7 @@ class SpeculativeDecoder:
         self.max_siblings = max_siblings if self.trees else 0
         self.costs: CostModel | None = None
         """This device's round costs (``auto``; measured by :meth:`calibrate`)."""
-        self.lookup = PromptLookup(min(lookup_tokens, num_steps)) if lookup_tokens else None
+        self.lookup = PromptLookup(lookup_tokens) if lookup_tokens else None
         """Prompt lookup competing with the draft (``lookup_tokens``)."""
 
     @torch.no_grad()
@@ -410,8 +423,14 @@ class SpeculativeDecoder:
             self._draft_step(token[0], hidden, context - 1, draft_cache)
             crop_cache(draft_cache, context - 1)
 
-        self.costs = calibrate(verify, draft_step, max_depth=self.num_steps, clock=self._clock)
+        self.costs = calibrate(verify, draft_step, max_depth=self._widest_chain, clock=self._clock)
         return self.costs
+
+    @property
+    def _widest_chain(self) -> int:
+        """The most tokens a round verifies after its last token, siblings aside: the draft's
+        depth, or prompt lookup's longer proposals (``lookup_tokens``)."""
+        return max(self.num_steps, self.lookup.tokens if self.lookup is not None else 0)
 
     # -- the target --------------------------------------------------------------------------
 
@@ -419,7 +438,7 @@ class SpeculativeDecoder:
         """An empty target cache with room for ``tokens`` plus the widest verification."""
         if self.engine is None:
             return growing_cache()
-        widest = 1 + max(self.num_steps, self.num_draft_tokens or 0) + self.max_siblings
+        widest = 1 + max(self._widest_chain, self.num_draft_tokens or 0) + self.max_siblings
         return self.engine.new_cache(tokens + widest)
 
     @torch.no_grad()
@@ -690,7 +709,7 @@ class SpeculativeDecoder:
         if self.lookup is None or self.lookup.proposal is None:
             return [], 0
         rates = self.lookup.estimate.rates()[: len(self.lookup.proposal)]
-        return rates, min(best_depth(rates, self.costs), len(rates))
+        return rates, best_depth(rates, self.costs)
 
     def _lookup_round(self, next_token, length, depth, target_cache, stats):
         """A round verifying the first ``depth`` prompt-lookup tokens instead of the draft's;

@@ -7,7 +7,11 @@ import torch
 
 from specforge.config import resolve_engine_compile
 from specforge.engine.cache import SPAN_STEP, SlotKVCache, gather_cache, key_span
-from specforge.engine.prompt_lookup import ngram_candidates, prompt_lookup_generate
+from specforge.engine.prompt_lookup import (
+    longest_match,
+    ngram_candidates,
+    prompt_lookup_generate,
+)
 from specforge.engine.row_buckets import row_buckets_missing
 from specforge.engine.target import TargetEngine, build_engine
 from specforge.errors import UserError
@@ -156,6 +160,23 @@ def test_ngram_candidates_follow_transformers_prompt_lookup():
     assert ngram_candidates(torch.tensor([1, 2, 3, 4, 3]), num_tokens=5).tolist() == [4, 3]
     for sequence, count in (([1, 2, 3], 5), ([7], 3), ([1, 2, 1], 0)):
         assert ngram_candidates(torch.tensor(sequence), num_tokens=count).tolist() == []
+
+
+def test_longest_match_takes_the_occurrence_whose_context_matches_furthest_back():
+    """Greedy ``auto``'s proposals: the earlier occurrence of the last token with the longest
+    matching context (the earliest on a tie), and that length; where transformers' prompt
+    lookup takes the earliest occurrence of the last two tokens."""
+    sequence = torch.tensor([5, 2, 3, 9, 1, 2, 3, 4, 1, 2, 3])
+    assert ngram_candidates(sequence, num_tokens=2).tolist() == [9, 1]
+    proposal, matched = longest_match(sequence, num_tokens=2)
+    assert (proposal.tolist(), matched) == ([4, 1], 3)  # "1 2 3" again
+    proposal, matched = longest_match(sequence, num_tokens=2, max_match=2)
+    assert (proposal.tolist(), matched) == ([9, 1], 2)  # a tie at 2: the earliest
+    proposal, matched = longest_match(torch.tensor([3, 3, 3, 3]), num_tokens=5)
+    assert (proposal.tolist(), matched) == ([3], 3)
+    for sequence, count in (([1, 2, 3], 5), ([7], 3), ([1, 2, 1], 0)):
+        proposal, matched = longest_match(torch.tensor(sequence), num_tokens=count)
+        assert (proposal.tolist(), matched) == ([], 0)
 
 
 def test_the_cache_is_written_by_slot_and_gathers_a_path():

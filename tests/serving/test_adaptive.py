@@ -305,10 +305,42 @@ def test_prompt_lookup_learns_apart_where_the_draft_s_first_choice_agrees_with_i
         lookup.propose(prompt, [], awake=True)
         lookup.compare(7 if agree else 9)
         lookup.learn([7, 8, 5] if agree else [1, 2, 3])
-    differing, agreeing = lookup.estimates
+    differing, agreeing = lookup.estimates[False, 1], lookup.estimates[True, 1]  # a 2-token match
     assert agreeing.rates()[0] > 0.95 and differing.rates()[0] < 0.05
     lookup.propose(prompt, [], awake=False)
     assert lookup.proposal is None and not lookup.agrees
+
+
+def test_prompt_lookup_learns_apart_by_how_far_back_its_match_reaches():
+    """The same proposal after a 4-token match and after a 1-token one: where only the longer
+    match's continuation is the target's, each match length's estimate learns its own."""
+    lookup = PromptLookup(2)
+    far = torch.tensor([1, 2, 3, 4, 9, 1, 2, 3, 4])  # "1 2 3 4" again: 9 1 follows it
+    near = torch.tensor([8, 4, 9, 1, 2, 3, 4])  # "4" again, after 3 this time: 9 1
+    for matched, prompt in [(4, far), (1, near)] * 100:
+        lookup.propose(prompt, [], awake=True)
+        assert lookup.proposal.tolist() == [9, 1]
+        lookup.learn([9, 1] if matched == 4 else [5, 5])
+    assert lookup.estimates[False, 2].rates()[0] > 0.95  # matches of 3-4 tokens
+    assert lookup.estimates[False, 0].rates()[0] < 0.05  # of 1 token
+
+
+def test_prompt_lookup_verifies_more_tokens_than_the_draft_s_deepest_chain(target):  # noqa: F811
+    """Lookup's proposals cost no draft step, so they may be longer than the draft's chains
+    (7): a lookup that is always right (beside a draft that never is) is verified 12 tokens
+    at a time, and the output stays the target's."""
+    torch.manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    reference = greedy_reference(target, prompt, 60)
+    draft = StubDraft(reference, lambda t: False, VOCAB)
+    decoder = SpeculativeDecoder(
+        target, draft, aux_layer_ids=[1, 1, 0], num_steps="auto", lookup_tokens=12
+    )
+    decoder.costs = FixedCosts(verify=[0.036] * 13, draft_step=0.0015)
+    decoder.lookup = OracleLookup(12, reference, lambda index: True)
+    tokens, stats = decoder.generate(prompt, max_new_tokens=60)
+    assert tokens == reference[prompt.shape[1] :]
+    assert max(stats.accepted_per_round) == 12 > AUTO_MAX_DEPTH
 
 
 def test_auto_verifies_prompt_lookup_and_the_draft_in_one_tree(target):  # noqa: F811
