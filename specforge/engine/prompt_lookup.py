@@ -8,7 +8,9 @@ forward, not for its proposals.
 The proposals follow transformers' ``PromptLookupCandidateGenerator`` (:func:`ngram_candidates`):
 the longest n-gram first (``max_ngram`` down to 1), the earliest occurrence whose continuation
 is not empty, at most ``num_tokens`` tokens. Verification is greedy, so the output is the
-target's own greedy output whatever is proposed.
+target's own greedy output whatever is proposed. Greedy ``auto``, where lookup competes with
+the draft, proposes after the longest matching context instead (:func:`longest_match`) and
+learns its acceptance by that match's length.
 """
 
 from __future__ import annotations
@@ -40,12 +42,12 @@ def ngram_candidates(sequence: torch.Tensor, *, num_tokens: int, max_ngram: int 
 
 def longest_match(sequence: torch.Tensor, *, num_tokens: int, max_match: int = 8):
     """The proposal after ``sequence`` (L,) from the earlier occurrence of its last token whose
-    preceding tokens match ``sequence``'s own for longest (at most ``max_match`` tokens; the
-    earliest such occurrence on a tie, as :func:`ngram_candidates` takes: in a repeating
-    stretch it has the most tokens after it): the up to ``num_tokens`` tokens that followed it, and
-    that match's length (0 and an empty tensor when the last token occurs nowhere earlier, or
-    ``num_tokens`` is 0). How far back a match reaches says how far its continuation can be
-    trusted, so greedy ``auto`` learns its acceptance by that length."""
+    preceding tokens match ``sequence``'s own for longest (at most ``max_match`` tokens; on a
+    tie the earliest, as :func:`ngram_candidates` takes: in a repeating stretch it has the most
+    tokens after it): the up to ``num_tokens`` tokens that followed it, and that match's length
+    (an empty tensor and 0 when the last token occurs nowhere earlier, or ``num_tokens`` is 0).
+    How far back a match reaches says how far its continuation can be trusted, so greedy
+    ``auto`` learns its acceptance by that length."""
     length = sequence.shape[0]
     ends = (sequence[:-1] == sequence[-1]).nonzero()[:, 0]  # earlier copies of the last token
     if num_tokens < 1 or not len(ends):

@@ -245,8 +245,8 @@ class PromptLookup:
     agrees: bool = False
     """Whether :attr:`proposal` starts with the draft's first choice (:meth:`compare`)."""
     bucket: int = 0
-    """:attr:`proposal`'s match-length bucket (an index past :attr:`match_buckets`' last
-    length below its match)."""
+    """:attr:`proposal`'s match-length bucket: how many of :attr:`match_buckets` its match
+    length reaches (0: a match of one token)."""
 
     def __post_init__(self) -> None:
         self.estimates = {
@@ -263,7 +263,7 @@ class PromptLookup:
     def propose(self, prompt: torch.Tensor, output: list[int], *, awake: bool) -> None:
         """This round's :attr:`proposal` after ``prompt`` (T,) and ``output``: ``None`` while
         the draft sleeps or when the last token occurs nowhere earlier."""
-        self.proposal, self.agrees = None, False
+        self.proposal, self.agrees, self.bucket = None, False, 0
         if awake:
             sequence = torch.cat([prompt.cpu(), torch.tensor(output)])
             proposal, matched = longest_match(sequence, num_tokens=self.tokens)
@@ -356,11 +356,10 @@ class SpeculativeDecoder:
             max_siblings: greedy ``auto``: at most this many further candidates for the first
                 draft position verified beside the chain where the costs say they pay (0:
                 chains only; none on a target whose attention cannot verify a tree).
-            lookup_tokens: greedy ``auto``: prompt-lookup proposals (the up to this many
-                tokens that followed the last n-gram's earlier occurrence,
-                :func:`~specforge.engine.prompt_lookup.ngram_candidates`) are verified instead
-                of the draft's, or beside them in one tree, in a round where their measured
-                acceptance promises more tokens per second (0: the draft's always).
+            lookup_tokens: greedy ``auto``: prompt lookup's up to this many tokens (may pass
+                ``num_steps``; :func:`~specforge.engine.prompt_lookup.longest_match`) are
+                verified instead of the draft's, or beside them in one tree, in a round where
+                their acceptance promises more tokens per second (0: the draft's always).
             engine: a :class:`~specforge.engine.target.TargetEngine` over ``target_model`` that
                 runs its forwards, or ``None``: transformers' forward with a growing cache.
             draft_engine: runs a chain's draft forwards (:class:`~specforge.engine.draft.
