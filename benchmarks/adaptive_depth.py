@@ -66,12 +66,8 @@ class NgramLookup(PromptLookup):
 
     match_buckets = ()
 
-    def propose(self, prompt: torch.Tensor, output: list[int], *, awake: bool) -> None:
-        self.proposal, self.agrees = None, False
-        if awake:
-            sequence = torch.cat([prompt.cpu(), torch.tensor(output)])
-            proposal = ngram_candidates(sequence, num_tokens=self.tokens)
-            self.proposal = proposal if len(proposal) else None
+    def candidates(self, sequence: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return ngram_candidates(sequence, num_tokens=self.tokens), 1  # one bucket: any length
 
 
 def decoder_kwargs(setting: str) -> dict:

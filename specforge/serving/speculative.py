@@ -266,9 +266,14 @@ class PromptLookup:
         self.proposal, self.agrees, self.bucket = None, False, 0
         if awake:
             sequence = torch.cat([prompt.cpu(), torch.tensor(output)])
-            proposal, matched = longest_match(sequence, num_tokens=self.tokens)
+            proposal, matched = self.candidates(sequence)
             self.proposal = proposal if len(proposal) else None
             self.bucket = sum(matched >= length for length in self.match_buckets)
+
+    def candidates(self, sequence: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The proposal after ``sequence`` (L,) and its match length
+        (:func:`~specforge.engine.prompt_lookup.longest_match`)."""
+        return longest_match(sequence, num_tokens=self.tokens)
 
     def compare(self, draft_first: int) -> None:
         """Note whether the proposal starts with ``draft_first``, the draft's first choice
