@@ -153,7 +153,10 @@ def run(args) -> None:
         ],
     )
     cfg = start_stage(cfg)  # the running machine's auto values, as the bench resolves them
-    comparison, tokenizer = build_comparison(cfg)
+    source = resolve_question_set(args.questions)
+    questions = load_questions(source, limit=args.limit)
+    turns = sum(len(q.turns) for q in questions)
+    comparison, tokenizer, _ = build_comparison(cfg, turns * len(args.settings))
     base = comparison.decoder
     default_form = "int8" if cfg.bench.draft_quantize == "int8" else cfg.bench.draft_dtype
     drafts = {default_form: base.draft_model}
@@ -176,8 +179,6 @@ def run(args) -> None:
         if shape.endswith("ngram"):
             decoders[setting].lookup = NgramLookup(decoders[setting].lookup.tokens)
     eos = end_of_turn_ids(tokenizer, base.target.generation_config)
-    source = resolve_question_set(args.questions)
-    questions = load_questions(source, limit=args.limit)
     device = cfg.target.device
     hello = torch.tensor(
         [prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}])], device=device

@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import shutil
 import textwrap
 import types
 import typing
@@ -707,8 +706,10 @@ class EngineConfig:
     warm-up and cached on disk by PyTorch (``TORCHINDUCTOR_CACHE_DIR``); on a GPU, CUDA graphs
     of the eager forwards (the target's, and a chain's draft steps), each shape captured once
     and replayed; ``false``: the engine eager (its preallocated cache, no compilation);
-    ``auto``: ``true`` on a GPU and on a CPU with a C++ compiler (what compilation needs
-    there), else ``false``.
+    ``auto``: compiled where it pays and can run: on a GPU, and on a CPU with a C++ compiler
+    when the run decodes enough tokens to repay the compilation (priced from the eager
+    engine's measured time per token), never where the layer loop reads a tensor on the host
+    (dynamic RoPE); else the eager engine. ``bench.json`` records the path that ran and why.
     Either way the speedup is against the target alone run by the same engine. A target whose
     decoder is not the engine's plain layer loop (or has windowed attention) decodes through
     transformers instead, with a warning (with ``true``: an error)."""
@@ -840,9 +841,11 @@ class SpecForgeConfig:
 def resolve_auto(cfg: SpecForgeConfig) -> SpecForgeConfig:
     """``cfg`` with its hardware-dependent ``auto`` values made concrete for the running machine:
     ``target.dtype``, ``train.dtype`` and ``train.compile`` (the draft trains on the target's
-    device), ``bench.draft_dtype``, ``bench.draft_quantize`` and ``engine.compile``. A loaded config
-    keeps ``auto``, so it means the same on every machine; each stage resolves it when it
-    starts and records the result in its outputs. Concrete values are kept as they are.
+    device), ``bench.draft_dtype`` and ``bench.draft_quantize``; ``engine.compile`` depends on
+    the target and the run too, and is resolved when the engine is built
+    (:func:`specforge.engine.target.build_engine`). A loaded config keeps ``auto``, so it means
+    the same on every machine; each stage resolves it when it starts and records the result in
+    its outputs. Concrete values are kept as they are.
 
     Raises:
         ConfigError: ``bench.draft_quantize: int8`` with a draft dtype or device it cannot run.
@@ -862,9 +865,6 @@ def resolve_auto(cfg: SpecForgeConfig) -> SpecForgeConfig:
             draft_dtype=draft_dtype,
             draft_quantize=resolve_draft_quantize(cfg.bench.draft_quantize, draft_dtype, device),
         ),
-        engine=dataclasses.replace(
-            cfg.engine, compile=resolve_engine_compile(cfg.engine.compile, device)
-        ),
     )
 
 
@@ -872,16 +872,6 @@ def resolve_train_compile(value: str, device: str) -> str:
     """``train.compile``'s ``auto`` for ``device``: ``false`` (see :class:`TrainConfig`)."""
     del device  # measured the same way on a CPU and a GPU so far
     return "false" if value == "auto" else value
-
-
-def resolve_engine_compile(value: str, device: str) -> str:
-    """``engine.compile``'s ``auto`` for ``device``: ``true`` on CUDA, and on a CPU where a C++
-    compiler is on the PATH (inductor's CPU code needs one), else ``false``."""
-    if value != "auto":
-        return value
-    if device.startswith("cuda"):
-        return "true"
-    return "true" if shutil.which("g++") or shutil.which("c++") else "false"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 correctly or is refused before work starts with a message naming what it lacks: prepare with
 self-distillation -> 2 online training steps -> capture -> 2 offline steps -> export contract
 -> chain and tree greedy decoding equal to the target's own ``generate`` (fp32), with a stub
-draft that gets tokens accepted so the caches are cropped and gathered. The first few run in
-every CI run; the long tail is marked ``slow``."""
+draft that gets tokens accepted so the caches are cropped and gathered -> the user's
+``specforge bench`` through the CLI with its defaults (few tokens), every output identical ->
+where the engine claims to run the target, chain decoding through the compiled engine. The
+first few run in every CI run; the long tail is marked ``slow``."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from specforge.cli import main
 from specforge.config import load_config
 from specforge.data.vocab import load_vocab_map
+from specforge.engine.target import TargetEngine
 from specforge.errors import UserError
 from specforge.models.adapter import (
     draft_rope_parameters,
@@ -107,7 +111,7 @@ def check_greedy_equality(model, draft_vocab: int, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", [matrix(n) for n in ARCHITECTURES])
-def test_architecture_runs_the_pipeline_or_is_refused(name, tmp_path):
+def test_architecture_runs_the_pipeline_or_is_refused(name, tmp_path, capsys):
     folder = save_tiny_target(name, make_tiny_tokenizer(), tmp_path / "target")
     prepared = tmp_path / "prepared.jsonl"
     # prepare: the target answers every user turn itself, and writes the draft vocabulary
@@ -147,8 +151,51 @@ def test_architecture_runs_the_pipeline_or_is_refused(name, tmp_path):
             SpeculativeDecoder(
                 model, StubDraft([], lambda t: False, vocab), aux_layer_ids=[1, 1, 0]
             )
+        # the user's command refuses in one line
+        assert main(["bench", f"target.name_or_path={folder}", f"bench.draft={out}"]) == 2
+        assert REFUSED_SERVING[name] in capsys.readouterr().err.splitlines()[-1]
         return
     check_greedy_equality(model, vocab, name)
+    path = check_user_bench(folder, out, tmp_path / "bench")
+    if path != "transformers":
+        check_compiled_engine(model, vocab, name)
+
+
+def check_user_bench(folder, export_dir, output) -> str:
+    """``specforge bench`` as a user runs it, defaults but for its length: every output the
+    target's; returns the engine path it recorded."""
+    code = main(
+        [
+            "bench",
+            f"target.name_or_path={folder}",
+            f"bench.draft={export_dir}",
+            f"bench.output={output}",
+            "bench.limit=1",
+            "bench.max_new_tokens=8",
+        ]
+    )
+    assert code == 0
+    result = json.loads((output / "bench.json").read_text())
+    assert result["all_match"] is True and result["engine_all_match"] in (True, None)
+    assert result["engine"]["path"] in ("eager engine", "transformers") and result["engine"]["why"]
+    return result["engine"]["path"]
+
+
+def check_compiled_engine(model, vocab: int, name: str) -> None:
+    """Chain decoding through the compiled engine (no row buckets: they are a CPU kernel's
+    detail) equals the target's greedy ``generate``: a verification graph and a decoding graph."""
+    # dynamo counts the graphs of one code object (the engine's layer loop) across the test
+    # process's engines; a user's process builds one
+    torch._dynamo.reset()
+    engine = TargetEngine(model, aux_layer_ids=[1, 1, 0], compile=True, row_buckets=False)
+    torch.manual_seed(0)
+    prompt = torch.randint(3, vocab, (1, WINDOW + 4))
+    reference = greedy_reference(model, prompt, WINDOW)
+    stub = StubDraft(reference, lambda t: t % 4 == 0, vocab)
+    decoder = SpeculativeDecoder(model, stub, aux_layer_ids=[1, 1, 0], num_steps=3, engine=engine)
+    tokens, _ = decoder.generate(prompt, max_new_tokens=WINDOW)
+    assert tokens == reference[prompt.shape[1] :], f"{name} diverged through the compiled engine"
+    assert engine.stats.compilations >= 1
 
 
 def test_synthesis_on_a_recurrent_target_is_refused_before_generating(tmp_path):

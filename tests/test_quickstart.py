@@ -6,9 +6,9 @@ import pytest
 
 from specforge.config import ConfigError, QuickstartConfig, load_config
 from specforge.errors import UserError
+from specforge.recipes.bench import DRAFTING_PASSES
 from specforge.recipes.quickstart import (
     COMPILATIONS,
-    DRAFTING_PASSES,
     _train_budget,
     estimate_bench_seconds,
     next_round_fits,
@@ -93,7 +93,7 @@ def test_the_bench_estimate_times_the_target_through_hf_and_the_compiled_engine(
         caplog.text,
     )
     hf, engine, compiled = (float(value) for value in timed.groups())
-    passes = 1 + DRAFTING_PASSES + 1
+    passes = 1 + DRAFTING_PASSES + 1  # the target alone, the runtime, prompt lookup
     expected = 6 * 16 * (hf + passes * engine) / 1000 + COMPILATIONS * compiled
     # the log rounds each figure: 0.05 ms a token, half a second of compilation
     assert seconds == pytest.approx(expected, abs=COMPILATIONS * 0.5 + 0.05)

@@ -48,25 +48,37 @@ class SlotKVPool:
         self.generation = 0
         """Counts the buffers allocated: what was recorded over older ones is stale."""
 
-    def take(self, layer: int, like: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed key and value buffers ``(B, H_kv, >= slots, D)`` for ``layer``, shaped and
-        typed like ``like`` (its keys), reused when the pool's fit."""
-        shape = (*like.shape[:2], slots, like.shape[-1])
+    def take(
+        self, layer: int, keys_like: torch.Tensor, values_like: torch.Tensor, slots: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed key and value buffers ``(B, H_kv, >= slots, D_k)`` and ``(B, H_kv, >= slots,
+        D_v)`` for ``layer``, shaped and typed like ``keys_like`` and ``values_like`` (the
+        head sizes differ in multi-head latent attention), reused when the pool's fit."""
         held = self.buffers.get(layer)
-        if held is not None:
-            keys, values = held
-            if (
-                keys.shape[:2] == shape[:2]
-                and keys.shape[3] == shape[3]
-                and keys.shape[2] >= slots
-                and (keys.dtype, keys.device) == (like.dtype, like.device)
-            ):
-                # zeros: a slot never written is masked, never NaN (NaN * 0 is NaN)
-                return keys.zero_(), values.zero_()
-        keys, values = like.new_zeros(shape), like.new_zeros(shape)
+        if held is not None and all(
+            _fits(buffer, like, slots)
+            for buffer, like in zip(held, (keys_like, values_like), strict=True)
+        ):
+            # zeros: a slot never written is masked, never NaN (NaN * 0 is NaN)
+            return held[0].zero_(), held[1].zero_()
+        keys, values = (
+            like.new_zeros((*like.shape[:2], slots, like.shape[-1]))
+            for like in (keys_like, values_like)
+        )
         self.buffers[layer] = keys, values
         self.generation += 1
         return keys, values
+
+
+def _fits(buffer: torch.Tensor, like: torch.Tensor, slots: int) -> bool:
+    """Whether ``buffer`` (B, H, S, D) holds ``slots`` positions of states shaped like
+    ``like`` (B, H, T, D)."""
+    return (
+        buffer.shape[:2] == like.shape[:2]
+        and buffer.shape[3] == like.shape[3]
+        and buffer.shape[2] >= slots
+        and (buffer.dtype, buffer.device) == (like.dtype, like.device)
+    )
 
 
 class SlotKVLayer(CacheLayerMixin):
@@ -81,10 +93,12 @@ class SlotKVLayer(CacheLayerMixin):
         self.pool, self.index = pool, index
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        # (B, H_kv, capacity + 1 or more, D) each, from the pool: the spare last slot is never
-        # read, so every span is a strict prefix of the buffers (a compiled read of all of them
-        # would be another graph)
-        self.keys, self.values = self.pool.take(self.index, key_states, self.capacity + 1)
+        # (B, H_kv, capacity + 1 or more, D_k or D_v), from the pool: the spare last slot is
+        # never read, so every span is a strict prefix of the buffers (a compiled read of all of
+        # them would be another graph)
+        self.keys, self.values = self.pool.take(
+            self.index, key_states, value_states, self.capacity + 1
+        )
         self.is_initialized = True
 
     def update(self, key_states, value_states, slots: torch.Tensor, span: int):

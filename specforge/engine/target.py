@@ -15,24 +15,35 @@ inductor took minutes.
 :class:`TargetEngine` checks itself before it serves: at construction its layer loop runs once
 beside the model's own forward on a short input, and a target whose decoder does more than the
 plain loop (embedding scales, per-layer windows, ...) is refused with the reason, so the caller
-decodes with transformers instead of trusting a different model.
+decodes with transformers instead of trusting a different model. :func:`build_engine` then
+decides whether to compile (:class:`EnginePath`: the path taken and why): never over a layer
+loop that reads a tensor on the host (:meth:`TargetEngine.host_sync`), and under ``auto`` only
+where the run repays the compilation.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
 
-from specforge.config import resolve_engine_compile
 from specforge.engine.cache import SPAN_STEP, SlotKVCache, SlotKVPool, whole_spans
 from specforge.engine.graphs import CudaGraphs
+from specforge.engine.host_sync import HostSync, host_sync
 from specforge.engine.row_buckets import bucket_linears
 from specforge.errors import UserError
-from specforge.models.adapter import architecture, check_logits, find_decoder, text_config
+from specforge.models.adapter import (
+    architecture,
+    check_logits,
+    final_norm,
+    find_decoder,
+    text_config,
+)
 from specforge.models.kv_cache import cache_kwargs, growing_cache
 from specforge.models.packed_linear import PackedLinear, describe_plan
 from specforge.models.target import GROUPED_SDPA, check_aux_layer_ids, target_hidden_states
@@ -45,14 +56,16 @@ PROBE_TOKENS = 7
 
 def window_refusal(model: nn.Module) -> str | None:
     """Why the engine's single full-attention mask does not fit this target, or ``None``:
-    layers with sliding windows or chunks need a mask of their own."""
+    layers with sliding windows or chunks (or no attention at all) need a mask of their own."""
     config = text_config(model.config)
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    windowed = kinds - {"full_attention"} or any(
-        getattr(config, name, None) for name in ("sliding_window", "attention_chunk_size")
-    )
-    if windowed and getattr(config, "use_sliding_window", True) is not False:
-        return f"{architecture(model.config)} has windowed attention layers ({sorted(kinds)})"
+    other = sorted(kinds - {"full_attention"})
+    if other:
+        return f"{architecture(model.config)} has {'/'.join(other)} layers"
+    for name in ("sliding_window", "attention_chunk_size"):
+        size = getattr(config, name, None)
+        if size and getattr(config, "use_sliding_window", True) is not False:
+            return f"{architecture(model.config)} attends within a window ({name} {size})"
     return None
 
 
@@ -127,6 +140,9 @@ class TargetEngine:
     ):
         self.model = model
         self.decoder, self.layers = find_decoder(model)
+        self.embed = model.get_input_embeddings()
+        self.rotary = getattr(self.decoder, "rotary_emb", None)
+        self.norm = final_norm(model)
         self.aux_layer_ids = check_aux_layer_ids(list(aux_layer_ids), len(self.layers))
         ascending = sorted(range(3), key=lambda k: self.aux_layer_ids[k])
         self._aux_order = [ascending.index(k) for k in range(3)]
@@ -135,19 +151,27 @@ class TargetEngine:
         self.transform = check_logits(model)
         self.device = next(model.parameters()).device
         self._cache_keyword = next(iter(cache_kwargs(self.layers[0], None)))
-        self.stats = EngineStats(compiled=compile)
+        self.stats = EngineStats(compiled=False)
         self._pool = SlotKVPool()
         self._bucketed: list[PackedLinear] = []
         """The linears this engine gave row buckets (checked by :meth:`new_cache`)."""
         refusal = attention_refusal(model) or window_refusal(model) or self.refusal()
         if refusal:
-            raise UserError(f"the compiled engine cannot run this target: {refusal}")
+            raise UserError(f"the engine cannot run this target exactly: {refusal}")
         self._run = self._layers
-        if compile and self.device.type == "cuda":
+        self._row_buckets = row_buckets
+        if compile:
+            self.compile()
+
+    def compile(self) -> None:
+        """From now on run forwards through ``torch.compile`` (both sizes dynamic; compiled at
+        their first call), or on a CUDA device as CUDA graphs."""
+        self.stats.compiled = True
+        if self.device.type == "cuda":
             self._run = CudaGraphs(self._layers, self._pool)
-        elif compile:
+        else:
             # float32 linears: the kernel measured fastest here for each row count
-            self._bucket(row_buckets)
+            self._bucket(self._row_buckets)
             self._run = torch.compile(self._layers, dynamic=True, fullgraph=True)
 
     def _bucket(self, row_buckets: bool | tuple[int, ...]) -> None:
@@ -186,8 +210,8 @@ class TargetEngine:
         """The decoder's plain loop (what ``torch.compile`` captures): embeddings, rotary
         positions, every layer writing its keys at ``slots``, the final norm. Returns the last
         hidden states (1, T, H) and the aux layers' outputs (1, T, 3 * H)."""
-        hidden = self.decoder.embed_tokens(input_ids)
-        position_embeddings = self.decoder.rotary_emb(hidden, position_ids=positions)
+        hidden = self.embed(input_ids)
+        position_embeddings = self.rotary(hidden, position_ids=positions)
         cache.write_at(slots, mask.shape[-1])
         captured = []
         for index, layer in enumerate(self.layers):
@@ -203,7 +227,7 @@ class TargetEngine:
             captured += [hidden] * self.aux_layer_ids.count(index)
         # 3 x (1, T, H) -> (1, T, 3 * H), in the draft's layer order
         fused = torch.cat([captured[i] for i in self._aux_order], -1)
-        return self.decoder.norm(hidden), fused
+        return self.norm(hidden), fused
 
     @torch.no_grad()
     def forward(
@@ -272,21 +296,17 @@ class TargetEngine:
         """Why the engine's layer loop is not the model's own forward, or ``None``: both run
         on :data:`PROBE_TOKENS` tokens (a prefix, then one more), eagerly; their hidden and aux
         states must agree within 1e-4 of their largest value in float32 (4 roundings in a
-        16-bit dtype)."""
-        generator = torch.Generator().manual_seed(0)
-        vocab = self.head.weight.shape[0]
-        ids = torch.randint(0, vocab, (1, PROBE_TOKENS), generator=generator).to(self.device)
-        ours, theirs, cache, hf_cache = [], [], self.new_cache(PROBE_TOKENS), growing_cache()
-        for part in (ids[:, :-1], ids[:, -1:]):
-            slots = torch.arange(cache.length, cache.length + part.shape[1], device=self.device)
-            mask = torch.ones(part.shape[1], SPAN_STEP, dtype=torch.bool, device=self.device)
-            mask = (torch.arange(SPAN_STEP, device=self.device) <= slots[:, None]) & mask
-            ours.append(self._layers(part, slots[None], slots, mask[None, None], cache))
-            cache.length += part.shape[1]
-            states = target_hidden_states(
-                self.model, part, aux_layer_ids=self.aux_layer_ids, past_key_values=hf_cache
+        16-bit dtype). A decoder whose pieces the loop cannot call (no rotary module, layers
+        that take other arguments) is refused with the error it raised."""
+        if self.rotary is None:
+            return f"{architecture(self.model.config)}'s decoder has no rotary_emb module"
+        try:
+            ours, theirs = self._probe()
+        except (AttributeError, TypeError, ValueError, RuntimeError, IndexError) as error:
+            return (
+                f"{architecture(self.model.config)}'s decoder is not the plain layer loop "
+                f"({type(error).__name__}: {error})"
             )
-            theirs.append((states.last_hidden_state, states.aux_hidden_states))
         for (hidden, aux), (hf_hidden, hf_aux) in zip(ours, theirs, strict=True):
             for mine, reference in ((hidden, hf_hidden), (aux, hf_aux)):
                 scale = float(reference.abs().max()) or 1.0
@@ -300,6 +320,42 @@ class TargetEngine:
                         f"{architecture(self.model.config)}'s decoder is not the plain layer "
                         f"loop (its hidden states differ by {difference:.3g})"
                     )
+        return None
+
+    def _probe_forwards(self):
+        """The layer loop's forwards over :data:`PROBE_TOKENS` random tokens (a prefix, then
+        one more) on a fresh cache: yields each one's token ids and the arguments of
+        :meth:`_layers` that run it."""
+        generator = torch.Generator().manual_seed(0)
+        vocab = self.head.weight.shape[0]
+        ids = torch.randint(0, vocab, (1, PROBE_TOKENS), generator=generator).to(self.device)
+        cache = self.new_cache(PROBE_TOKENS)
+        for part in (ids[:, :-1], ids[:, -1:]):
+            slots = torch.arange(cache.length, cache.length + part.shape[1], device=self.device)
+            mask = torch.arange(SPAN_STEP, device=self.device) <= slots[:, None]
+            yield part, (part, slots[None], slots, mask[None, None], cache)
+            cache.length += part.shape[1]
+
+    def _probe(self):
+        """The layer loop's and the model's own (last hidden, aux) states on the probe."""
+        ours, theirs, hf_cache = [], [], growing_cache()
+        for part, args in self._probe_forwards():
+            ours.append(self._layers(*args))
+            states = target_hidden_states(
+                self.model, part, aux_layer_ids=self.aux_layer_ids, past_key_values=hf_cache
+            )
+            theirs.append((states.last_hidden_state, states.aux_hidden_states))
+        return ours, theirs
+
+    @torch.no_grad()
+    def host_sync(self) -> HostSync | None:
+        """The first host sync of the layer loop on the probe's forwards (a prefix, then a
+        token), or ``None``: what would stop a compiled or captured forward
+        (:mod:`specforge.engine.host_sync`)."""
+        for _, args in self._probe_forwards():
+            sync = host_sync(self.model, self._layers, *args)
+            if sync is not None:
+                return sync
         return None
 
     @torch.no_grad()
@@ -318,22 +374,96 @@ class TargetEngine:
         return output
 
 
+COMPILED_SAVING = 0.43
+"""The share of the eager engine's time per token that compiling saves on a CPU: SmolLM2's
+first turns ran at 21.49 tokens/s through the eager engine and 37.83 compiled, on 2 cores
+(``docs/results/engine_speedup_cpu.json``)."""
+
+COMPILE_SECONDS = (45.0, 3.3)
+"""A cold compilation of the engine's graphs on a CPU, estimated as ``base + per_layer *
+layers`` seconds, through two measurements on 2 cores: SmolLM2's 30 layers in 144 s
+(``docs/results/engine_speedup_cpu.json``) and a 4-layer tiny Llama's in about 58 s (the
+``compile_seconds`` its ``bench --compile true`` records)."""
+
+TIMED_TOKENS = 8
+"""Greedy tokens through the eager engine timed to price a token (after 2 untimed)."""
+
+
+@dataclass(frozen=True)
+class EnginePath:
+    """Which path runs a stage's target forwards, and why (``bench.json``'s ``engine``)."""
+
+    path: Literal["compiled", "eager engine", "transformers"]
+    """``compiled``: the engine through ``torch.compile`` (CUDA graphs on a GPU); ``eager
+    engine``: the engine's preallocated cache, uncompiled; ``transformers``: the model's own
+    forward with an HF cache (where the engine cannot run the target exactly)."""
+    why: str
+
+
 def build_engine(
-    model: nn.Module, *, aux_layer_ids: list[int], compile: str
-) -> TargetEngine | None:
-    """The engine for ``model`` as ``engine.compile`` says (``auto`` resolved for the model's
-    device), or ``None`` where the engine cannot run the target exactly and ``compile`` is not
-    ``true``: the caller then decodes through transformers (a warning says why).
+    model: nn.Module, *, aux_layer_ids: list[int], compile: str, tokens: int
+) -> tuple[TargetEngine | None, EnginePath]:
+    """The engine for ``model`` as ``engine.compile`` says, and the path that runs (logged
+    once, with why).
+
+    ``true`` compiles or raises. ``false`` runs the engine eagerly. ``auto`` compiles where it
+    pays: on a GPU (CUDA graphs capture in a few forwards); on a CPU with a C++ compiler when
+    the ``tokens`` the run is expected to decode through the engine save more than the
+    compilation's estimated cost (:data:`COMPILED_SAVING` of the eager engine's time per token,
+    timed here; :data:`COMPILE_SECONDS`); never where the layer loop reads a tensor on the host
+    (:meth:`TargetEngine.host_sync`: a compiled or captured forward would fail). Where the
+    engine cannot run the target exactly, ``false`` and ``auto`` decode through transformers
+    (``None``).
 
     Raises:
-        UserError: ``compile`` ``true`` on a target the engine refuses.
+        UserError: ``compile`` ``true`` on a target the engine refuses or cannot compile.
     """
-    device = next(model.parameters()).device
-    compile = resolve_engine_compile(compile, str(device))
     try:
-        return TargetEngine(model, aux_layer_ids=aux_layer_ids, compile=compile == "true")
+        engine = TargetEngine(model, aux_layer_ids=aux_layer_ids, compile=False)
     except UserError as error:
         if compile == "true":
             raise
-        logger.warning("%s; the target decodes through transformers instead", error)
-        return None
+        choice = EnginePath("transformers", str(error))
+        logger.warning("the target decodes through transformers: %s", choice.why)
+        return None, choice
+    choice = _compile_choice(engine, compile, tokens)
+    if choice.path == "compiled":
+        engine.compile()
+    logger.info("the target's forwards: %s (%s)", choice.path, choice.why)
+    return engine, choice
+
+
+def _compile_choice(engine: TargetEngine, compile: str, tokens: int) -> EnginePath:
+    """Whether ``engine`` (built eagerly) should compile, as :func:`build_engine` decides."""
+    if compile == "false":
+        return EnginePath("eager engine", "engine.compile is false")
+    sync = engine.host_sync()
+    if sync is not None:
+        why = f"a compiled forward cannot run it: {sync}"
+        if compile == "true":
+            raise UserError(f"the compiled engine cannot run this target: {why}")
+        return EnginePath("eager engine", why)
+    if compile == "true":
+        return EnginePath("compiled", "engine.compile is true")
+    if engine.device.type == "cuda":
+        return EnginePath("compiled", "CUDA graphs capture in a few forwards")
+    if not (shutil.which("g++") or shutil.which("c++")):
+        return EnginePath("eager engine", "no C++ compiler on the PATH (inductor needs one)")
+    per_token = _eager_seconds_per_token(engine)
+    saved = tokens * per_token * COMPILED_SAVING
+    base, per_layer = COMPILE_SECONDS
+    cost = base + per_layer * len(engine.layers)
+    measure = (
+        f"~{tokens} tokens through the engine at {1000 * per_token:.1f} ms eagerly: compiling "
+        f"would save ~{saved:.0f} s for ~{cost:.0f} s of compilation"
+    )
+    return EnginePath("compiled" if saved > cost else "eager engine", measure)
+
+
+def _eager_seconds_per_token(engine: TargetEngine) -> float:
+    """Seconds per greedy token of ``engine`` (eager) after a short prompt."""
+    ids = torch.arange(1, 1 + PROBE_TOKENS, device=engine.device)[None]
+    engine.generate(ids, max_new_tokens=2)
+    began = time.perf_counter()
+    engine.generate(ids, max_new_tokens=TIMED_TOKENS)
+    return (time.perf_counter() - began) / TIMED_TOKENS

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specforge.config import SpecForgeConfig, to_dict, torch_dtype
+from specforge.config import BenchConfig, SpecForgeConfig, to_dict, torch_dtype
 from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.questions import ask_turns, load_questions, resolve_question_set
-from specforge.engine.target import build_engine
+from specforge.engine.target import EnginePath, build_engine
 from specforge.errors import UserError
 from specforge.models.adapter import text_config
 from specforge.models.int8_linear import quantize_linears
@@ -32,6 +32,24 @@ from specforge.serving.export import exported_aux_layer_ids, load_exported_draft
 from specforge.serving.speculative import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
+
+DRAFTING_PASSES = 2.0
+"""The bench's speculative pass over a turn, in passes of the target alone through the same
+engine: it ran at 0.57-1.2x that speed on the CPUs measured (the slowest a draft trained for
+ten minutes, docs/results.md), so 2.0 leaves a margin."""
+
+
+def engine_passes(bc: BenchConfig) -> float:
+    """The bench's passes over each turn through the engine, in passes of the target alone:
+    the target alone, the speculative runtime (:data:`DRAFTING_PASSES`) and prompt lookup
+    when it is on."""
+    return 1 + DRAFTING_PASSES + (1 if bc.prompt_lookup_num_tokens else 0)
+
+
+def engine_tokens(bc: BenchConfig, turns: int) -> int:
+    """The tokens a bench of ``turns`` turns decodes through the engine, at most (what
+    ``engine.compile: auto`` weighs the compilation against)."""
+    return round(turns * bc.max_new_tokens * engine_passes(bc))
 
 
 def bench_settings(cfg: SpecForgeConfig, questions: str) -> dict[str, Any]:
@@ -64,16 +82,21 @@ def load_bench_draft(cfg: SpecForgeConfig, target, dtype: str, quantize: str):
     return draft
 
 
-def build_comparison(cfg: SpecForgeConfig) -> tuple[MethodComparison, Any]:
+def build_comparison(cfg: SpecForgeConfig, turns: int) -> tuple[MethodComparison, Any, EnginePath]:
     """Load the target (in ``bench.dtype``) and the exported draft (in ``bench.draft_dtype``,
-    its weights as ``bench.draft_quantize`` says);
-    returns the comparison and the tokenizer."""
+    its weights as ``bench.draft_quantize`` says) for a bench of ``turns`` turns; returns the
+    comparison, the tokenizer and the path the target's forwards take."""
     bc = cfg.bench
     target, tokenizer = load_target(cfg.target, dtype=bc.dtype)
     aux_layer_ids = exported_aux_layer_ids(
         cfg.bench_draft, text_config(target.config).num_hidden_layers
     )
-    engine = build_engine(target, aux_layer_ids=aux_layer_ids, compile=cfg.engine.compile)
+    engine, path = build_engine(
+        target,
+        aux_layer_ids=aux_layer_ids,
+        compile=cfg.engine.compile,
+        tokens=engine_tokens(bc, turns),
+    )
     decoder = SpeculativeDecoder(
         target,
         load_bench_draft(cfg, target, bc.draft_dtype, bc.draft_quantize),
@@ -95,7 +118,7 @@ def build_comparison(cfg: SpecForgeConfig) -> tuple[MethodComparison, Any]:
         target_compile=bc.target_compile,
         engine=engine,
     )
-    return comparison, tokenizer
+    return comparison, tokenizer, path
 
 
 def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
@@ -114,13 +137,14 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
         raise UserError(f"{cfg.bench_draft} is not an export directory: run specforge export")
     questions = load_questions(questions_source, limit=bc.limit)
     logger.info("benchmarking on %s (%d questions)", questions_source, len(questions))
-    comparison, tokenizer = build_comparison(cfg)
+    turns = sum(len(q.turns) for q in questions)
+    comparison, tokenizer, path = build_comparison(cfg, turns)
     device = cfg.target.device
     hello = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}])
     warm_up_seconds = comparison.warm_up(torch.tensor([hello], device=device))
     decoder = comparison.decoder
     tally = BenchTally(num_steps=decoder.num_steps)
-    progress = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn")
+    progress = tqdm(total=turns, desc="bench", unit="turn")
     for question in questions:
 
         def answer(turn, messages, question=question):
@@ -150,13 +174,12 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
             },
         }
     result = bench_report(tally, bench_settings(cfg, questions_source), calibration)
+    result["engine"] = {"path": path.path, "why": path.why}
     if comparison.engine is not None:
         engine = comparison.engine.stats.as_dict()
-        result["engine"] = {**engine, "warm_up_seconds": round(warm_up_seconds, 1)}
+        result["engine"] |= {**engine, "warm_up_seconds": round(warm_up_seconds, 1)}
         if decoder.draft_engine is not None:  # the draft's CUDA graphs
             result["engine"]["draft_graphs"] = decoder.draft_engine.captures
-    else:
-        result["engine"] = None
     write_report(result, cfg.bench_dir)
     return result
 

@@ -42,7 +42,7 @@ from specforge.errors import UserError
 from specforge.io import write_json_atomic
 from specforge.models.adapter import text_config
 from specforge.models.target import default_aux_layer_ids, load_target
-from specforge.recipes.bench import bench
+from specforge.recipes.bench import bench, engine_passes, engine_tokens
 from specforge.recipes.export import export
 from specforge.recipes.prepare import prepare
 from specforge.recipes.stage import start_stage
@@ -77,11 +77,6 @@ def quickstart_config(overrides: list[str] | None = None) -> SpecForgeConfig:
     return load_config(DEFAULT_RECIPE, [*QUICKSTART_OVERRIDES, *(overrides or [])])
 
 
-DRAFTING_PASSES = 2.0
-"""The bench's speculative pass over a turn, in passes of the target alone through the same
-engine: it ran at 0.57-1.2x that speed on the CPUs measured (the slowest a draft trained for
-ten minutes, docs/results.md), so 2.0 leaves a margin."""
-
 COMPILATIONS = 2.0
 """The bench's compilation of the engine, in compilations of the decoding graph as the
 estimate times it: the bench compiles its verification graph (1.4x as long, cold, on 2 CPU
@@ -94,8 +89,8 @@ TIMED_TOKENS = 32
 def estimate_bench_seconds(cfg: SpecForgeConfig) -> float:
     """The export and bench's time, from the bench's own workload: every turn of
     ``bench.questions`` decodes up to ``bench.max_new_tokens`` tokens with the target alone
-    through HF ``generate`` and through the engine, with the draft (:data:`DRAFTING_PASSES`
-    passes through the engine) and, when on, with prompt lookup (through the engine), plus the
+    through HF ``generate`` and through the engine, with the draft and, when on, with prompt
+    lookup (:func:`~specforge.recipes.bench.engine_passes` through the engine), plus the
     engine's compilation. Each per-token time is timed on the first question's first turn, with
     the target loaded as the bench loads it (``bench.dtype``) and the engine built as it builds
     it (``engine.compile``; its first decoding compiles, :data:`COMPILATIONS`). 0 for
@@ -116,8 +111,11 @@ def estimate_bench_seconds(cfg: SpecForgeConfig) -> float:
         )
     )
     layers = text_config(target.config).num_hidden_layers
-    engine = build_engine(
-        target, aux_layer_ids=default_aux_layer_ids(layers), compile=cfg.engine.compile
+    engine, _ = build_engine(
+        target,
+        aux_layer_ids=default_aux_layer_ids(layers),
+        compile=cfg.engine.compile,
+        tokens=engine_tokens(bc, turns),
     )
     engine_per_token, compile_seconds = hf_per_token, 0.0
     if engine is not None:  # else the bench decodes through transformers too
@@ -135,8 +133,7 @@ def estimate_bench_seconds(cfg: SpecForgeConfig) -> float:
             engine.stats.compile_seconds,
         )
     # the target alone through the engine, the draft, prompt lookup
-    passes = 1 + DRAFTING_PASSES + (1 if bc.prompt_lookup_num_tokens else 0)
-    per_turn = bc.max_new_tokens * (hf_per_token + passes * engine_per_token)
+    per_turn = bc.max_new_tokens * (hf_per_token + engine_passes(bc) * engine_per_token)
     return turns * per_turn + compile_seconds
 
 

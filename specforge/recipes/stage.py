@@ -28,7 +28,6 @@ AUTO_FIELDS = (
     ("train", "compile"),
     ("bench", "draft_dtype"),
     ("bench", "draft_quantize"),
-    ("engine", "compile"),
 )
 """The fields :func:`specforge.config.resolve_auto` may change."""
 

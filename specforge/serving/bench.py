@@ -332,7 +332,7 @@ def bench_report(
 
 def baseline_words(engine: dict[str, Any] | None) -> str:
     """What the target alone that speedups are measured against ran on (``bench.md``)."""
-    if not engine:
+    if not engine or "compiled" not in engine:
         return "the target alone through HF generate (no engine ran this target)"
     how = "compiled" if engine["compiled"] else "eager"
     return (

@@ -5,7 +5,6 @@ and for the speculative runtime (chain, tree, ``auto``), within two compiled gra
 import pytest
 import torch
 
-from specforge.config import resolve_engine_compile
 from specforge.engine.cache import SPAN_STEP, SlotKVCache, gather_cache, key_span
 from specforge.engine.prompt_lookup import (
     longest_match,
@@ -253,12 +252,5 @@ def test_a_target_whose_attention_reads_masks_otherwise_is_refused():
     eager.set_attn_implementation("eager")
     with pytest.raises(UserError, match="attention is 'eager'"):
         TargetEngine(eager, aux_layer_ids=AUX, compile=False)
-    assert build_engine(eager, aux_layer_ids=AUX, compile="false") is None  # HF decodes
-
-
-def test_engine_compile_auto_resolves_for_the_device(monkeypatch):
-    assert resolve_engine_compile("auto", "cuda:0") == "true"
-    assert resolve_engine_compile("false", "cuda") == "false"
-    assert resolve_engine_compile("true", "cpu") == "true"
-    monkeypatch.setenv("PATH", "")  # no C++ compiler to be found: inductor's CPU code needs one
-    assert resolve_engine_compile("auto", "cpu") == "false"
+    engine, path = build_engine(eager, aux_layer_ids=AUX, compile="false", tokens=100)
+    assert engine is None and path.path == "transformers" and "'eager'" in path.why

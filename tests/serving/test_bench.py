@@ -33,6 +33,7 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
         peaked_target_dir,
         *("--num-steps", "3", "--max-new-tokens", "12"),
         "--target-compile",  # the compiled baseline's outputs are the reference too
+        *("--compile", "true"),  # auto would not compile for 3 short turns
     )
     result = json.loads((out / "bench.json").read_text())
     for key in (
@@ -72,10 +73,11 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
     assert draft_dtype in ("bfloat16", "float32") and f"({draft_dtype}{weights})" in report
     assert quantize in ("int8", "none")
     # the baseline is the target alone through the engine the runtime verifies with,
-    # compiled (engine.compile auto on a CPU with a compiler), within its two graphs, and its
-    # outputs were HF generate's; the report names it and the speedup over HF generate too
+    # compiled (engine.compile true), within its two graphs, and its outputs were HF
+    # generate's; the report names it and the speedup over HF generate too
     engine = result["engine"]
     assert result["settings"]["engine_compile"] == "true" and engine["compiled"] is True
+    assert engine["path"] == "compiled" and engine["why"] == "engine.compile is true"
     assert 1 <= engine["compilations"] <= 2 and engine["warm_up_seconds"] > 0
     assert result["engine_all_match"] is True and result["speedup_vs_hf_generate"] > 0
     assert "the target alone through the same engine, compiled" in report
@@ -99,6 +101,7 @@ def test_bench_auto_depth_reports_its_calibration_and_chosen_depths(tmp_path, pe
     result = json.loads((out / "bench.json").read_text())
     assert result["all_match"] is True and result["engine_all_match"] is True
     assert result["engine"]["compiled"] is False and result["engine"]["compilations"] == 0
+    assert result["engine"]["path"] == "eager engine"
     rounds = sum(len(t["accepted_per_round"]) for t in result["turn_details"])
     assert sum(result["depth_histogram"].values()) == rounds
     assert 0 <= result["dormant_rounds"] <= result["depth_histogram"].get("0", 0)
