@@ -159,6 +159,20 @@ def read_safetensors(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{path} cannot be read ({err}): truncated or damaged") from None
 
 
+def read_json(path: str | Path) -> Any:
+    """A JSON file's value.
+
+    Raises:
+        UserError: a missing, truncated or damaged file, named.
+    """
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} cannot be read ({err})") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON ({err}): truncated or damaged") from None
+
+
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temp file in the same folder (``.<name>.*.tmp``), fsync
     and rename."""

@@ -563,3 +563,32 @@ def test_prepare_into_an_existing_folder_is_named(tmp_path, tiny_target_dir, cap
     )
     assert code == 2
     assert f"the output {folder} is a directory" in one_line_error(capsys)
+
+
+def test_a_vocab_output_naming_a_folder_is_named_before_any_work(tmp_path, tiny_target_dir, capsys):
+    data = tmp_path / "data.jsonl"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    data.write_text(json.dumps({"messages": messages}) + "\n")
+    folder = tmp_path / "vocab"
+    folder.mkdir()
+    output = tmp_path / "conversations.jsonl"
+    arguments = ["--data", str(data), "--output", str(output), "--vocab-output", str(folder)]
+    code = main(["prepare", "--target", str(tiny_target_dir), *arguments])
+    assert code == 2
+    assert f"the vocab map output {folder} is a directory" in one_line_error(capsys)
+    # nothing written, nothing left behind
+    assert not output.exists()
+    assert sorted(os.listdir(tmp_path)) == ["data.jsonl", "tiny-target", "vocab"]
+    assert not list(folder.iterdir())
+
+
+def test_a_truncated_export_config_given_to_bench_is_named(run, tmp_path, capsys):
+    folder, _, out = run
+    export_dir = tmp_path / "export"
+    assert main(["export", str(out / "checkpoints" / "step_2"), str(export_dir)]) == 0
+    config = export_dir / "config.json"
+    config.write_text(config.read_text()[:40])
+    capsys.readouterr()
+    code = main(["bench", "--target", str(folder), "--draft", str(export_dir), "--limit", "1"])
+    assert code == 2
+    assert "config.json is not valid JSON" in one_line_error(capsys)

@@ -161,12 +161,31 @@ def vocab_map_from_samples(
 
 
 def save_vocab_map(vocab_map: VocabMap, path: str | Path) -> None:
-    """Write ``d2t``/``t2d`` to a safetensors file (temp file + rename)."""
+    """Write ``d2t``/``t2d`` to a safetensors file (temp file + rename).
+
+    Raises:
+        UserError: ``path`` names a directory.
+    """
     path = Path(path)
+    check_vocab_output(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({"d2t": vocab_map.d2t.contiguous(), "t2d": vocab_map.t2d.contiguous()}, str(tmp))
-    tmp.replace(path)
+    try:
+        save_file({"d2t": vocab_map.d2t.contiguous(), "t2d": vocab_map.t2d.contiguous()}, str(tmp))
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def check_vocab_output(path: str | Path) -> None:
+    """Raise :class:`UserError` where a vocab map could not be written to ``path`` (a
+    directory), before any work is done."""
+    if Path(path).is_dir():
+        raise UserError(
+            f"the vocab map output {path} is a directory: name the file to write "
+            f"(e.g. {Path(path) / 'vocab.safetensors'})"
+        )
 
 
 def load_vocab_map(path: str | Path) -> VocabMap:

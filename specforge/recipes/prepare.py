@@ -26,7 +26,7 @@ from specforge.data.batching import split_train_eval
 from specforge.data.chat import end_of_turn_ids, set_chat_template, tokenize_conversations
 from specforge.data.conversations import Conversation
 from specforge.data.sources import load_conversations
-from specforge.data.vocab import save_vocab_map, vocab_map_from_samples
+from specforge.data.vocab import check_vocab_output, save_vocab_map, vocab_map_from_samples
 from specforge.distill.follow_ups import add_follow_ups
 from specforge.distill.regenerate import partial_path, regenerate_conversations
 from specforge.distill.synthesize import synthesize_conversations
@@ -67,6 +67,8 @@ def prepare(cfg: SpecForgeConfig) -> PrepareResult:
             f"the output {output} is a directory: name the conversations file to write "
             f"(e.g. {output / 'conversations.jsonl'})"
         )
+    if cfg.prepare.vocab_output:
+        check_vocab_output(cfg.prepare.vocab_output)
     for source in cfg.data.inputs:
         if Path(source).resolve() in (output.resolve(), partial_path(output).resolve()):
             raise UserError(

@@ -38,7 +38,13 @@ from specforge import __version__
 from specforge.config import torch_dtype
 from specforge.data.vocab import VocabMap
 from specforge.errors import UserError
-from specforge.io import atomic_directory, read_safetensors, write_json_atomic, write_text_atomic
+from specforge.io import (
+    atomic_directory,
+    read_json,
+    read_safetensors,
+    write_json_atomic,
+    write_text_atomic,
+)
 from specforge.models.adapter import draft_rope_parameters, text_config
 from specforge.models.eagle3 import (
     AUX_STATES,
@@ -375,7 +381,7 @@ def check_replaceable(out_dir: Path) -> None:
 def exported_aux_layer_ids(export_dir: str | Path, num_target_layers: int) -> list[int]:
     """The aux layer ids an export was trained on: SGLang's ``eagle_config`` entry when the
     ids are custom, else the default for the target's depth."""
-    config = json.loads((Path(export_dir) / "config.json").read_text())
+    config = read_json(Path(export_dir) / "config.json")
     custom = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     return list(custom) if custom else default_aux_layer_ids(num_target_layers)
 
@@ -403,7 +409,7 @@ def load_exported_draft(
     config_path = export_dir / "config.json"
     if not config_path.is_file():
         raise ExportError(f"{export_dir} is not an export directory (no config.json)")
-    exported = json.loads(config_path.read_text())
+    exported = read_json(config_path)
     check_export_config(exported, target_config)
     fields = {f.name for f in dataclasses.fields(Eagle3Config)}
     config = Eagle3Config.from_dict(
