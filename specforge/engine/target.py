@@ -375,15 +375,14 @@ class TargetEngine:
 
 
 COMPILED_SAVING = 0.43
-"""The share of the eager engine's time per token that compiling saves on a CPU: SmolLM2's
-first turns ran at 21.49 tokens/s through the eager engine and 37.83 compiled, on 2 cores
-(``docs/results/engine_speedup_cpu.json``)."""
+"""The share of the eager engine's time per token that compiling saves on a CPU: SmolLM2 ran
+at 55.1 ms a token through the eager engine and 31.6 compiled on 2 cores (a 4-layer tiny Llama
+33%; ``docs/results/compile_cost_cpu.json``)."""
 
-COMPILE_SECONDS = (45.0, 3.3)
-"""A cold compilation of the engine's graphs on a CPU, estimated as ``base + per_layer *
-layers`` seconds, through two measurements on 2 cores: SmolLM2's 30 layers in 144 s
-(``docs/results/engine_speedup_cpu.json``) and a 4-layer tiny Llama's in about 58 s (the
-``compile_seconds`` its ``bench --compile true`` records)."""
+COMPILE_SECONDS = (12.0, 3.1)
+"""A cold compilation of the engine's two graphs on a CPU, estimated as ``base + per_layer *
+layers`` seconds through two measurements on 2 cores: SmolLM2's 30 layers in 106 s, a 4-layer
+tiny Llama's in 25 s (``docs/results/compile_cost_cpu.json``)."""
 
 TIMED_TOKENS = 8
 """Greedy tokens through the eager engine timed to price a token (after 2 untimed)."""
