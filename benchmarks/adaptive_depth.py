@@ -48,7 +48,8 @@ from specforge.recipes.bench import build_comparison, load_bench_draft
 from specforge.recipes.stage import start_stage
 from specforge.results import write_result
 from specforge.serving.bench import BenchTally, round_costs
-from specforge.serving.speculative import PromptLookup, SpeculativeDecoder
+from specforge.serving.proposers.lookup import PromptLookup
+from specforge.serving.speculative import SpeculativeDecoder
 
 SETTINGS = ["1", "2", "3", "4", "5", "6", "7", "auto:0", "auto"]
 SDPA_BACKENDS = {
@@ -177,7 +178,7 @@ def run(args) -> None:
             **decoder_kwargs(shape),
         )
         if shape.endswith("ngram"):
-            decoders[setting].lookup = NgramLookup(decoders[setting].lookup.tokens)
+            decoders[setting].policy.lookup = NgramLookup(decoders[setting].policy.lookup.tokens)
     eos = end_of_turn_ids(tokenizer, base.target.generation_config)
     device = cfg.target.device
     hello = torch.tensor(

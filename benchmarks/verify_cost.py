@@ -128,13 +128,13 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (1, args.context), generator=generator)
     target_cache = DynamicCache()
-    _, aux = runtime._target_forward(prompt, target_cache)
+    _, aux = runtime.verifier.forward(prompt, target_cache)
 
     def verify(k: int):
         ids = torch.randint(0, config.vocab_size, (1, k), generator=generator)
 
         def call():
-            runtime._target_forward(ids, target_cache)
+            runtime.verifier.forward(ids, target_cache)
             crop_cache(target_cache, args.context)
 
         return call

@@ -163,14 +163,14 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
     calibration = None
     if decoder.auto:
         calibration = {
-            **decoder.costs.as_dict(),
-            "final_acceptance_estimate": [round(r, 4) for r in decoder.estimate.rates()],
+            **decoder.policy.costs.as_dict(),
+            "final_acceptance_estimate": [round(r, 4) for r in decoder.policy.estimate.rates()],
             # greedy: measured acceptance at the centre of each bin of the draft's confidence
-            "acceptance_by_confidence": _by_bin(decoder.confidence),
+            "acceptance_by_confidence": _by_bin(decoder.policy.confidence),
             # the draft's first token where prompt lookup proposes another first token, the same
             "first_acceptance_by_confidence_with_lookup": {
-                "differs": _by_bin(decoder.lookup_confidence[False]),
-                "agrees": _by_bin(decoder.lookup_confidence[True]),
+                "differs": _by_bin(decoder.policy.lookup_confidence[False]),
+                "agrees": _by_bin(decoder.policy.lookup_confidence[True]),
             },
         }
     result = bench_report(tally, bench_settings(cfg, questions_source), calibration)

@@ -29,7 +29,8 @@ from specforge.engine.prompt_lookup import prompt_lookup_generate
 from specforge.engine.target import TargetEngine
 from specforge.io import write_json_atomic, write_text_atomic
 from specforge.serving.advice import advice_markdown, sglang_advice
-from specforge.serving.speculative import SpecStats, SpeculativeDecoder
+from specforge.serving.speculative import SpeculativeDecoder
+from specforge.serving.stats import SpecStats
 
 logger = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ acceptance estimate, and losslessness of the adaptive runtime."""
 import pytest
 import torch
 
+from specforge.config import AUTO_MAX_DEPTH
 from specforge.serving.adaptive import (
     AcceptanceEstimate,
     ConfidenceCalibration,
@@ -17,8 +18,9 @@ from specforge.serving.adaptive import (
     round_rate,
     tree_rate,
 )
+from specforge.serving.proposers.lookup import PromptLookup
 from specforge.serving.sampling import accept_chain_sampling
-from specforge.serving.speculative import AUTO_MAX_DEPTH, PromptLookup, SpeculativeDecoder
+from specforge.serving.speculative import SpeculativeDecoder
 from tests.helpers import StubDraft, greedy_reference
 from tests.serving.test_speculative import VOCAB, target  # noqa: F401
 
@@ -150,7 +152,9 @@ def test_auto_depth_is_lossless_and_settles_where_it_pays(target, agree):  # noq
     decoder = SpeculativeDecoder(
         target, StubDraft(reference, wrong_at, VOCAB), aux_layer_ids=[1, 1, 0], num_steps="auto"
     )
-    decoder.costs = FixedCosts(verify=list(CPU_COSTS.verify), draft_step=CPU_COSTS.draft_step)
+    decoder.policy.costs = FixedCosts(
+        verify=list(CPU_COSTS.verify), draft_step=CPU_COSTS.draft_step
+    )
     tokens, stats = decoder.generate(prompt, max_new_tokens=120)
     assert tokens == reference[prompt.shape[1] :]
     assert len(stats.depth_per_round) == stats.verifications
@@ -175,7 +179,9 @@ def test_a_plain_round_for_one_unsure_token_does_not_put_a_paying_draft_to_sleep
     reference = greedy_reference(target, prompt, 120)
     draft = StubDraft(reference, lambda t: t % 4 == 0, VOCAB, sure=12.0)
     decoder = SpeculativeDecoder(target, draft, aux_layer_ids=[1, 1, 0], num_steps="auto")
-    decoder.costs = FixedCosts(verify=list(CPU_COSTS.verify), draft_step=CPU_COSTS.draft_step)
+    decoder.policy.costs = FixedCosts(
+        verify=list(CPU_COSTS.verify), draft_step=CPU_COSTS.draft_step
+    )
     tokens, stats = decoder.generate(prompt, max_new_tokens=120)
     assert tokens == reference[prompt.shape[1] :]
     assert stats.depth_histogram.get(0, 0) > 5
@@ -192,21 +198,25 @@ def test_auto_rounds_feed_their_verify_times_into_the_costs(target):  # noqa: F8
         aux_layer_ids=[1, 1, 0],
         num_steps="auto",
     )
-    decoder.costs = CostModel(verify=[1.0] * (AUTO_MAX_DEPTH + 1), draft_step=0.0015)  # far off
-    decoder.max_siblings = 0  # chains: each round verifies its depth + 1 (flat costs pay siblings)
+    decoder.policy.costs = CostModel(
+        verify=[1.0] * (AUTO_MAX_DEPTH + 1), draft_step=0.0015
+    )  # far off
+    decoder.policy.max_siblings = (
+        0  # chains: each round verifies its depth + 1 (flat costs pay siblings)
+    )
     tokens, stats = decoder.generate(prompt, max_new_tokens=40)
     assert tokens == reference[prompt.shape[1] :]
     verified = {depth + 1 for depth in stats.depth_per_round}
     # the tiny model verifies in milliseconds: each verified width learnt it; a stall counts
     # as twice the estimate at most, and the other widths follow more slowly
-    estimates = decoder.costs.verify
+    estimates = decoder.policy.costs.verify
     assert all(estimates[width - 1] < 0.95 for width in verified)
     others = [
         estimates[width - 1] for width in range(1, AUTO_MAX_DEPTH + 2) if width not in verified
     ]
     assert others and len(set(others)) == 1  # one shape: the start-up figures were all 1.0
     assert min(estimates[w - 1] for w in verified) < others[0] < 1.0
-    assert decoder.costs.calibrated == [1.0] * (AUTO_MAX_DEPTH + 1)
+    assert decoder.policy.costs.calibrated == [1.0] * (AUTO_MAX_DEPTH + 1)
 
 
 def test_dormancy_doubles_its_sleep_while_plain_rounds_win_and_wakes_for_a_drafting_round():
@@ -243,8 +253,10 @@ def test_auto_calibrates_on_first_use_and_stays_lossless_with_a_random_draft(tar
     prompt = torch.randint(0, VOCAB, (1, 7))
     decoder = SpeculativeDecoder(target, draft, aux_layer_ids=[1, 2, 3], num_steps="auto")
     tokens, stats = decoder.generate(prompt, max_new_tokens=40)
-    assert decoder.costs is not None and len(decoder.costs.verify) == AUTO_MAX_DEPTH + 1
-    assert all(s > 0 for s in decoder.costs.verify) and decoder.costs.draft_step > 0
+    assert (
+        decoder.policy.costs is not None and len(decoder.policy.costs.verify) == AUTO_MAX_DEPTH + 1
+    )
+    assert all(s > 0 for s in decoder.policy.costs.verify) and decoder.policy.costs.draft_step > 0
     assert tokens == greedy_reference(target, prompt, 40)[prompt.shape[1] :]
 
 
@@ -336,8 +348,8 @@ def test_prompt_lookup_verifies_more_tokens_than_the_draft_s_deepest_chain(targe
     decoder = SpeculativeDecoder(
         target, draft, aux_layer_ids=[1, 1, 0], num_steps="auto", lookup_tokens=12
     )
-    decoder.costs = FixedCosts(verify=[0.036] * 13, draft_step=0.0015)
-    decoder.lookup = OracleLookup(12, reference, lambda index: True)
+    decoder.policy.costs = FixedCosts(verify=[0.036] * 13, draft_step=0.0015)
+    decoder.policy.lookup = OracleLookup(12, reference, lambda index: True)
     tokens, stats = decoder.generate(prompt, max_new_tokens=60)
     assert tokens == reference[prompt.shape[1] :]
     assert max(stats.accepted_per_round) == 12 > AUTO_MAX_DEPTH
@@ -361,9 +373,9 @@ def test_auto_verifies_prompt_lookup_and_the_draft_in_one_tree(target):  # noqa:
         decoder = SpeculativeDecoder(
             target, draft, aux_layer_ids=[1, 1, 0], num_steps="auto", lookup_tokens=4
         )
-        decoder.costs = FixedCosts(verify=[0.036] * (AUTO_MAX_DEPTH + 1), draft_step=0.0015)
-        decoder.lookup = OracleLookup(4, reference, lookup_right)
-        decoder.trees = trees
+        decoder.policy.costs = FixedCosts(verify=[0.036] * (AUTO_MAX_DEPTH + 1), draft_step=0.0015)
+        decoder.policy.lookup = OracleLookup(4, reference, lookup_right)
+        decoder.policy.trees = trees
         tokens, stats = decoder.generate(prompt, max_new_tokens=120)
         assert tokens == reference[prompt.shape[1] :]
         accepted[trees] = stats.accepted_per_round
@@ -387,12 +399,12 @@ def test_auto_calibrates_the_draft_s_first_token_apart_by_prompt_lookup_s_agreem
     decoder = SpeculativeDecoder(
         target, draft, aux_layer_ids=[1, 1, 0], num_steps="auto", lookup_tokens=4
     )
-    decoder.costs = FixedCosts(verify=[0.036] * (AUTO_MAX_DEPTH + 1), draft_step=0.0015)
-    decoder.lookup = OracleLookup(4, reference, right, wrong=2)
+    decoder.policy.costs = FixedCosts(verify=[0.036] * (AUTO_MAX_DEPTH + 1), draft_step=0.0015)
+    decoder.policy.lookup = OracleLookup(4, reference, right, wrong=2)
     tokens, _ = decoder.generate(prompt, max_new_tokens=120)
     assert tokens == reference[prompt.shape[1] :]
     q = 1.0 / (1.0 + (VOCAB - 1) / torch.e)  # the stub's probability of its proposal
-    differs, agrees = decoder.lookup_confidence
+    differs, agrees = decoder.policy.lookup_confidence
     assert agrees.acceptance(q) > 0.9 and differs.acceptance(q) < 0.1
     assert sum(differs.counts.trials) > 5 and sum(agrees.counts.trials) > 5
 
@@ -427,7 +439,7 @@ def test_auto_siblings_are_lossless_and_catch_the_draft_s_second_choice(target, 
     reference = greedy_reference(target, prompt, 120)
     draft = StubDraft(reference, lambda t: True, VOCAB, runner_up=runner_up)
     decoder = SpeculativeDecoder(target, draft, aux_layer_ids=[1, 1, 0], num_steps="auto")
-    decoder.costs = FixedCosts(verify=[0.036] * (AUTO_MAX_DEPTH + 1), draft_step=0.0015)
+    decoder.policy.costs = FixedCosts(verify=[0.036] * (AUTO_MAX_DEPTH + 1), draft_step=0.0015)
     tokens, stats = decoder.generate(prompt, max_new_tokens=120)
     assert tokens == reference[prompt.shape[1] :]
     hits = len(stats.sibling_hit_rounds)

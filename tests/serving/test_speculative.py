@@ -81,7 +81,7 @@ def test_eos_inside_an_accepted_block_stops_exactly(target):
 
 
 def test_acceptance_statistics():
-    from specforge.serving.speculative import SpecStats
+    from specforge.serving.stats import SpecStats
 
     stats = SpecStats(num_steps=3, verifications=4, emitted=9, accepted_per_round=[3, 0, 1, 1])
     assert stats.tau == 9 / 4

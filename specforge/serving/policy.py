@@ -1,0 +1,454 @@
+"""Who decides each round: a policy plans a round (which proposer's tokens, how many, verified
+as a chain or a tree) and observes its outcome.
+
+- :class:`FixedDepth` drafts ``num_steps`` tokens every round (a chain, or a tree's levels).
+- :class:`AutoPolicy` is ``num_steps: auto`` (:mod:`specforge.serving.adaptive`): the depth with
+  the most expected tokens per second from this device's measured costs and the running
+  acceptance; greedy, token by token from the draft's calibrated confidence, with siblings of
+  the first draft token beside the chain and prompt lookup competing with the draft; dormancy
+  while plain decoding wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from specforge.config import AUTO_MAX_DEPTH
+from specforge.engine.generation import warp_probs
+from specforge.errors import UserError
+from specforge.serving.adaptive import (
+    AcceptanceEstimate,
+    ConfidenceCalibration,
+    CostModel,
+    Dormancy,
+    best_depth,
+    best_siblings,
+    first_acceptance,
+    round_rate,
+    tree_rate,
+)
+from specforge.serving.proposers.eagle import EagleProposer
+from specforge.serving.proposers.lookup import PromptLookup
+from specforge.serving.tree import DraftTree, merged_tree
+
+AUTO_MAX_SIBLINGS = 3
+"""Greedy ``auto``'s default for the most further candidates of the first draft position
+verified beside the chain (a fan of up to 4 there), within the verification widths
+calibrated."""
+
+
+def checked_depth(num_steps, topk: int, num_draft_tokens: int | None, max_siblings: int) -> int:
+    """The draft depth the runtime works with (``auto``: :data:`AUTO_MAX_DEPTH`), after
+    checking the drafting settings.
+
+    Raises:
+        UserError: a setting out of range, or settings that do not go together.
+    """
+    if num_steps == "auto":
+        if topk != 1:
+            raise UserError(f"num_steps auto drafts chains only (topk 1), got topk={topk}")
+        num_steps = AUTO_MAX_DEPTH
+    if not isinstance(num_steps, int):
+        raise UserError(f"num_steps must be an integer or 'auto', got {num_steps!r}")
+    if num_steps < 1 or topk < 1:
+        raise UserError(f"num_steps and topk must be >= 1, got {num_steps}, {topk}")
+    if not 0 <= max_siblings <= AUTO_MAX_DEPTH:
+        raise UserError(f"max_siblings must be in 0..{AUTO_MAX_DEPTH}, got {max_siblings}")
+    _check_tree_size(topk, num_steps, num_draft_tokens)
+    return num_steps
+
+
+def check_decoding(temperature: float, top_p: float, lookup_tokens: int, *, auto: bool) -> None:
+    """Refuse sampling settings out of range, and prompt lookup beside a fixed depth or
+    sampling (:class:`PromptLookup` competes with greedy ``auto``'s draft only)."""
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise UserError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    if lookup_tokens < 0 or (lookup_tokens and (not auto or temperature > 0)):
+        raise UserError(
+            f"lookup_tokens needs num_steps auto and greedy decoding, got {lookup_tokens}"
+        )
+
+
+def _check_tree_size(topk: int, num_steps: int, num_draft_tokens: int | None) -> None:
+    """A tree (``topk > 1``) needs a size between 2 and the most its levels hold."""
+    largest = 1 + topk + (num_steps - 1) * topk * topk
+    if topk > 1 and not (num_draft_tokens and 2 <= num_draft_tokens <= largest):
+        raise UserError(
+            f"tree drafting needs 2 <= num_draft_tokens <= {largest} for topk={topk}, "
+            f"num_steps={num_steps}; got {num_draft_tokens}"
+        )
+
+
+@dataclass
+class Fan:
+    """A greedy ``auto`` round verified as one tree (:func:`merged_tree`): the draft's chain,
+    further candidates for its first position beside it, and prompt lookup's first tokens."""
+
+    chain: list[int]
+    """The draft's chain (target ids), drafted step by step."""
+    probs: list[float]
+    """The draft's probability of each chain token."""
+    ranked: list[tuple[int, float]]
+    """The first position's further draft candidates ``(target id, q)``, most likely first:
+    all learn from the target's first token, verified or not."""
+    siblings: int = 0
+    """How many of :attr:`ranked` are verified."""
+    lookup: list[int] = field(default_factory=list)
+    """Prompt lookup's tokens verified beside the draft's (none: the draft's only)."""
+    candidate: tuple[int, float] | None = None
+    """The chain's declined next token ``(target id, q)``, as :meth:`AutoPolicy.
+    _draft_auto` returns it."""
+
+    def chains(self) -> list[list[int]]:
+        """What the tree merges: the chain first (its rows lead), then lookup, then the
+        siblings."""
+        return [self.chain, self.lookup, *([token] for token, _ in self.ranked[: self.siblings])]
+
+
+@dataclass
+class Plan:
+    """A round as a policy planned it: a chain of :attr:`depth` tokens (:attr:`tokens`, or the
+    proposer drafts them), or a :attr:`tree`."""
+
+    depth: int
+    """Tokens verified after the last one (0 decodes one token alone)."""
+    tokens: torch.Tensor | None = None
+    """The chain (K,), where the policy has it: drafted while planning (greedy ``auto``) or
+    prompt lookup's (:attr:`lookup`)."""
+    dists: torch.Tensor | None = None
+    """Sampling: the draft distributions (K, V) the chain's tokens were drawn from."""
+    fan: Fan | None = None
+    """Greedy ``auto``: the chain's facts to learn from."""
+    tree: DraftTree | None = None
+    """A tree to verify instead (greedy ``auto``'s fan: siblings or lookup's tokens beside the
+    chain), and the token lists it merged (:func:`~specforge.serving.tree.merged_tree`)."""
+    paths: list[list[int]] = field(default_factory=list)
+    lookup: bool = False
+    """The chain is prompt lookup's, not the draft's."""
+
+
+class FixedDepth:
+    """``num_steps`` draft tokens (or tree levels) every round."""
+
+    costs = None
+    lookup = None
+
+    def __init__(self, num_steps: int):
+        self.num_steps = num_steps
+
+    def plan(self, proposer: EagleProposer) -> Plan:
+        return Plan(self.num_steps)
+
+    def observe(self, plan: Plan, outcome: Outcome, proposer: EagleProposer, stats) -> None:
+        pass
+
+    def sleeping(self) -> bool:
+        return False
+
+    def woke(self, depth: int) -> None:
+        pass
+
+
+@dataclass
+class Outcome:
+    """What a verified round gives its policy to learn from."""
+
+    depth: int
+    accepted: int
+    bonus: int
+    target_logits: torch.Tensor
+    """(rows, V) float32: the target's logits over the verified tokens."""
+    seconds: float
+    """The verification's wall time."""
+
+
+class AutoPolicy:
+    """``num_steps: auto`` (see the module docstring).
+
+    Args:
+        max_depth: the deepest chain.
+        temperature, top_p: the decoding's sampling (greedy at 0).
+        max_siblings: greedy: at most this many further first-position candidates verified
+            beside the chain (0 where the target cannot verify a tree).
+        lookup_tokens: greedy: prompt lookup's up to this many tokens compete with the draft.
+        trees: whether the target can verify a tree.
+    """
+
+    def __init__(
+        self,
+        max_depth: int,
+        *,
+        temperature: float,
+        top_p: float,
+        max_siblings: int,
+        lookup_tokens: int,
+        trees: bool,
+        device: torch.device,
+    ):
+        self.num_steps = max_depth
+        self.temperature, self.top_p, self.device = temperature, top_p, device
+        self.estimate = AcceptanceEstimate(max_depth)
+        """Running conditional acceptance per draft position."""
+        self.confidence = ConfidenceCalibration()
+        """Acceptance given the draft's own probability of its token (greedy)."""
+        self.lookup_confidence = (ConfidenceCalibration(), ConfidenceCalibration())
+        """The same for the draft's first token where prompt lookup proposes another first
+        token, and where it proposes the same (greedy with ``lookup_tokens``)."""
+        self.sibling_confidence = ConfidenceCalibration()
+        """The same for the first position's further candidates (greedy)."""
+        self.trees = trees
+        self.max_siblings = max_siblings if trees else 0
+        self.costs: CostModel | None = None
+        """This device's round costs (measured by the runtime's ``calibrate``)."""
+        self.lookup = PromptLookup(lookup_tokens) if lookup_tokens else None
+        """Prompt lookup competing with the draft (``lookup_tokens``)."""
+        self.dormancy = Dormancy()
+
+    @property
+    def sampling(self) -> bool:
+        return self.temperature > 0
+
+    def plan(self, proposer: EagleProposer) -> Plan:
+        """1. This round: greedy, prompt lookup's tokens alone, or the chain drafted token by
+        token (a tree where siblings or lookup's tokens go beside it); sampling, the depth
+        the position estimates choose."""
+        if self.sampling:
+            return Plan(self.estimated_depth())
+        fan = self._greedy_plan(proposer)
+        if isinstance(fan, int):  # prompt lookup's first tokens promise the most
+            return Plan(fan, tokens=self.lookup.proposal[:fan].to(self.device), lookup=True)
+        if fan.siblings or fan.lookup:
+            tree, paths = merged_tree(fan.chains(), self.device)
+            return Plan(int(tree.depths.max()), fan=fan, tree=tree, paths=paths)
+        chain = torch.tensor(fan.chain, device=self.device) if fan.chain else None
+        return Plan(len(fan.chain), tokens=chain, fan=fan)
+
+    def observe(self, plan: Plan, outcome: Outcome, proposer: EagleProposer, stats) -> None:
+        """3. What a chain round teaches: the verification's cost, the positions reached, the
+        draft's confidences and the siblings' (greedy), or the first position's would-be
+        acceptance of a plain sampled round. Lookup's rounds are marked in ``stats``."""
+        self.costs.observe_verify(outcome.depth + 1, outcome.seconds)
+        if plan.lookup:
+            stats.lookup_rounds.append(len(stats.accepted_per_round))
+            return
+        fan = plan.fan
+        if fan is not None:
+            self.learn(outcome.depth, outcome.accepted, outcome.bonus, fan.probs, fan.candidate)
+            self.learn_siblings(fan.ranked, outcome.target_logits)
+            return
+        self.learn(outcome.depth, outcome.accepted, outcome.bonus, [], None)
+        if not outcome.depth:  # sampling: the first draft token's chance, had it run
+            draft_probs = warp_probs(proposer.state.logits, self.temperature, self.top_p)
+            target_probs = warp_probs(outcome.target_logits[-1], self.temperature, self.top_p)
+            hot_ids = proposer.draft_model.hot_ids
+            self.estimate.counts.observe(1, first_acceptance(draft_probs, target_probs[hot_ids]))
+
+    def observe_tree(self, plan: Plan, path: list[int], outcome: Outcome, stats) -> None:
+        """3. What a fan's tree round teaches: its cost, the siblings' confidences, and the
+        chain's, along the accepted ``path`` (the chain's tokens on it, then the target's
+        next); which of them was accepted is marked in ``stats``."""
+        fan, tree = plan.fan, plan.tree
+        self.costs.observe_verify(1 + len(tree.tokens), outcome.seconds, tree=True)
+        self.learn_siblings(fan.ranked, outcome.target_logits)
+        chain, accepted = plan.paths[0], 0  # the chain's tokens on the accepted path
+        while accepted < min(len(path), len(chain)) and path[accepted] == chain[accepted]:
+            accepted += 1
+        # the target's token after them: the path's next, or the bonus where the path ends
+        after = int(tree.tokens[path[accepted]]) if accepted < len(path) else outcome.bonus
+        self.learn(len(chain), accepted, after, fan.probs, fan.candidate)
+        index = len(stats.accepted_per_round)
+        stats.sibling_rounds += bool(fan.siblings)
+        if fan.lookup:
+            stats.lookup_rounds.append(index)
+        if path[:1] in plan.paths[2:]:  # a sibling (one node each), not the chain's first
+            stats.sibling_hit_rounds.append(index)
+
+    def sleeping(self) -> bool:
+        """Whether the draft sleeps through this round (:class:`Dormancy`)."""
+        return self.dormancy.sleeping()
+
+    def woke(self, depth: int) -> None:
+        """After an awake round that verified ``depth`` draft tokens (one unsure token's plain
+        round is no reason to sleep)."""
+        self.dormancy.woke(depth or self.estimated_depth())
+
+    def _greedy_plan(self, proposer: EagleProposer) -> int | Fan:
+        """Greedy ``auto``'s proposal for a round: a number of prompt lookup's tokens to verify
+        alone, or a :class:`Fan` (a chain, alone or in a tree with siblings and lookup's
+        tokens). Lookup is weighed first (:meth:`_lookup_first`); when the draft drafts, the
+        chain and its siblings are weighed against and beside lookup (:meth:`_with_lookup`)."""
+        needed = self.max_siblings or self.lookup is not None
+        ranked = proposer.candidates(2 + self.max_siblings) if needed else []
+        first = self._lookup_first(ranked)
+        if first is not None:
+            return first
+        draft_tokens, probs, candidate = self._draft_auto(proposer)
+        draft_tokens, probs, candidate, ranked, siblings = self._siblings(
+            ranked, draft_tokens, probs, candidate
+        )
+        chain = [] if draft_tokens is None else draft_tokens.tolist()
+        return self._with_lookup(Fan(chain, probs, ranked, siblings, candidate=candidate))
+
+    def _sibling_chains(self, ranked: list[tuple[int, float]]):
+        """Further first-position candidates ``(target id, q)`` as one-token chains with their
+        calibrated acceptance (what :func:`tree_rate` weighs)."""
+        return [([token], [self.sibling_confidence.acceptance(q)]) for token, q in ranked]
+
+    def _lookup_first(self, ranked: list[tuple[int, float]]) -> int | Fan | None:
+        """Before any draft step: prompt lookup's proposal, alone (its depth) or as a tree
+        beside the draft's most likely first tokens (free: their logits came with the
+        extension), when that promises more tokens per second than the best chain that the
+        draft's confidence in its first token and the position estimates beyond promise; else
+        ``None``. Such a round drafts nothing (it pays its verification and the round's other
+        time only); when the draft is drafted, :meth:`_with_lookup` weighs lookup again."""
+        if self.lookup is None or self.lookup.proposal is None:
+            return None
+        (top, top_q), further = ranked[0], ranked[1 : 1 + self.max_siblings]
+        self.lookup.compare(top)
+        rates, depth = self._lookup_plan()
+        if not depth:
+            return None
+        guess = [self._calibration(1).acceptance(top_q), *self.estimate.rates()[1:]]
+        drafted = max(round_rate(guess[:k], [], self.costs) for k in range(len(guess) + 1))
+        best, choice = round_rate(rates[:depth], [], self.costs), depth
+        if self.trees:
+            firsts = [([top], guess[:1]), *self._sibling_chains(further)]
+            rate, tokens, count = self._lookup_tree([], firsts, 0, rates, least=1)
+            if rate > best:
+                best, choice = rate, Fan([top], [top_q], further, count - 1, tokens)
+        return choice if best > drafted else None
+
+    def _with_lookup(self, fan: Fan) -> int | Fan:
+        """After drafting: ``fan`` as drafted, prompt lookup's tokens alone (their count) in
+        its place, or both in one tree (the siblings chosen again beside them): whichever
+        promises the most tokens per second under the draft's calibrated confidence and the
+        lookup estimates (``fan`` without ``lookup_tokens`` or a proposal)."""
+        rates, depth = self._lookup_plan()
+        if not depth:
+            return fan
+        drafted = [(fan.chain, self._calibrated(fan.probs))]
+        others = self._sibling_chains(fan.ranked)
+        steps = len(fan.chain)
+        best = tree_rate(drafted + others[: fan.siblings], steps, self.costs)
+        choice: int | Fan = fan
+        alone = round_rate(rates[:depth], [], self.costs)
+        if alone > best:
+            best, choice = alone, depth
+        if self.trees and fan.chain:
+            rate, tokens, count = self._lookup_tree(drafted, others, steps, rates, least=0)
+            if rate > best:
+                choice = replace(fan, siblings=count, lookup=tokens)
+        return choice
+
+    def _lookup_tree(self, chains, others, steps: int, rates: list[float], *, least: int):
+        """The best tree of ``chains`` (``(tokens, acceptances)`` pairs, ``steps`` of them
+        drafted), prompt lookup's first ``m >= 1`` tokens and the first ``n >= least`` of
+        ``others``: its expected tokens per second (:func:`tree_rate`), those tokens and
+        ``n`` (the fewer on a tie)."""
+        proposal = self.lookup.proposal.tolist()
+        options = [(m, n) for m in range(1, len(rates) + 1) for n in range(least, len(others) + 1)]
+        rated = [
+            (tree_rate([*chains, (proposal[:m], rates[:m]), *others[:n]], steps, self.costs), m, n)
+            for m, n in options
+        ]
+        rate, m, n = max(rated, key=lambda option: (option[0], -option[1], -option[2]))
+        return rate, proposal[:m], n
+
+    def _lookup_plan(self) -> tuple[list[float], int]:
+        """Prompt lookup's acceptance estimates for this round's proposal and the depth with
+        the most expected tokens per second under them (0: no ``lookup_tokens``, no proposal,
+        or no depth pays)."""
+        if self.lookup is None or self.lookup.proposal is None:
+            return [], 0
+        rates = self.lookup.estimate.rates()[: len(self.lookup.proposal)]
+        return rates, best_depth(rates, self.costs)
+
+    def learn_siblings(self, ranked: list[tuple[int, float]], target_logits: torch.Tensor):
+        """Every further candidate of the first position ``(target id, q)`` learns from the
+        target's token there (row 0 of any verification), verified or not."""
+        if ranked:
+            first = int(target_logits[0].argmax())
+            for token, q in ranked:
+                self.sibling_confidence.observe(q, token == first)
+
+    def _draft_auto(self, proposer: EagleProposer):
+        """Greedy ``auto`` drafting, token by token: a token is drafted while the best depth,
+        under the calibrated acceptance of the tokens so far (this one's included) and the
+        position estimates beyond, is deeper than what is drafted; a draft step is taken only
+        while a deeper depth still pays. Returns the tokens (K,) or ``None``, the draft's
+        probability of each, and the declined candidate ``(token, q)`` (``None`` if there was
+        none: depth reached or no step taken)."""
+        state = proposer.state
+        logits, hidden, position = state.logits, state.hidden, state.length - 1
+        rates = self.estimate.rates()
+        tokens, probs, known = [], [], []
+        while True:
+            q, draft_id = logits.float().softmax(-1).max(-1)
+            token, q = proposer.draft_model.to_target_ids(draft_id[None]), float(q)
+            depth = len(tokens)
+            guess = [*known, self._calibration(depth + 1).acceptance(q), *rates[depth + 1 :]]
+            if best_depth(guess, self.costs) <= depth:
+                # K x (1,) -> (K,)
+                return (torch.cat(tokens) if tokens else None), probs, (int(token), q)
+            tokens.append(token)
+            probs.append(q)
+            known.append(guess[depth])
+            depth += 1
+            if depth == self.num_steps or best_depth([*known, *rates[depth:]], self.costs) <= depth:
+                return torch.cat(tokens), probs, None
+            logits, hidden = proposer.step(token, hidden, position + depth, state.cache)
+
+    def _siblings(self, candidates, tokens, probs: list[float], candidate):
+        """Greedy ``auto``: the first position's next most likely draft tokens (of
+        ``candidates``, :meth:`EagleProposer.candidates`) and how many of them to verify beside the
+        chain (:func:`best_siblings`); a plain round becomes a depth-1 round when its first
+        token and siblings together pay. Returns the chain's tokens, probabilities and declined
+        candidate (updated when a plain round drafts), the ranked further candidates
+        ``(target id, q)`` and how many of them to verify."""
+        if not self.max_siblings:
+            return tokens, probs, candidate, [], 0
+        # the chain's own first token is not a sibling
+        first = int(tokens[0]) if tokens is not None else None
+        ranked = [(token, value) for token, value in candidates if token != first]
+        if first is None:  # a plain round, unless the most likely token and its siblings pay
+            (top, top_q), ranked = ranked[0], ranked[1 : 1 + self.max_siblings]
+            chain = [self._calibration(1).acceptance(top_q)]
+            rates = [self.sibling_confidence.acceptance(value) for _, value in ranked]
+            count = best_siblings(rates, chain, self.costs)
+            plain = round_rate([], [], self.costs)
+            if not count or round_rate(chain, rates[:count], self.costs) <= plain:
+                return tokens, probs, candidate, ranked, 0
+            return torch.tensor([top], device=self.device), [top_q], None, ranked, count
+        ranked = ranked[: self.max_siblings]
+        chain = self._calibrated(probs)
+        rates = [self.sibling_confidence.acceptance(value) for _, value in ranked]
+        return tokens, probs, candidate, ranked, best_siblings(rates, chain, self.costs)
+
+    def estimated_depth(self) -> int:
+        """The depth the per-position estimates alone choose (``auto``): 0 when drafting does
+        not pay in general, whatever the draft's confidence in one token."""
+        return best_depth(self.estimate.rates(), self.costs)
+
+    def learn(self, depth: int, accepted: int, bonus: int, probs: list[float], candidate):
+        """``auto``'s estimates after a round: the positions reached, the drafted tokens'
+        confidences, and the declined candidate when everything drafted was accepted."""
+        guess = None if candidate is None else candidate[0] == bonus
+        self.estimate.observe(depth, accepted, guess)
+        for k, q in enumerate(probs[: accepted + 1], start=1):
+            self._calibration(k).observe(q, k <= accepted)
+        if candidate is not None and accepted == depth:
+            self._calibration(depth + 1).observe(candidate[1], guess)
+
+    def _calibration(self, position: int) -> ConfidenceCalibration:
+        """The confidence calibration of the draft's token at ``position`` (1: the first)
+        this round: the first's apart where prompt lookup proposes (:attr:`lookup_confidence`,
+        by whether its first token is the draft's)."""
+        if position == 1 and self.lookup is not None and self.lookup.proposal is not None:
+            return self.lookup_confidence[self.lookup.agrees]
+        return self.confidence
+
+    def _calibrated(self, probs: list[float]) -> list[float]:
+        """The calibrated acceptance of a chain whose tokens the draft gave ``probs``."""
+        return [self._calibration(k).acceptance(q) for k, q in enumerate(probs, start=1)]

@@ -1,0 +1,202 @@
+"""The EAGLE-3 proposer: a chain (or a tree, :mod:`specforge.serving.tree`) drafted step by step
+from the draft's state after the last accepted token, each step feeding back the draft's own
+hidden state (the serving path of the TTT unroll, :meth:`Eagle3DraftModel.forward` with a KV
+cache).
+
+A sequence's draft state (:class:`DraftState`) is its cache, the logits and hidden state at its
+last extended position, and the accepted tokens it has not extended over yet: the runtime hands
+each round's accepted tokens and their target features to :meth:`EagleProposer.accepted`, and
+the draft extends over them lazily (:meth:`EagleProposer.catch_up`), when a round drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specforge.engine.cache import SlotKVCache, crop_cache
+from specforge.engine.draft import DraftEngine
+from specforge.engine.generation import warp_probs
+from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
+from specforge.serving.tree import build_tree
+
+
+@dataclass
+class DraftState:
+    """One sequence's draft: what the next round drafts from."""
+
+    cache: DraftKVCache | SlotKVCache
+    logits: torch.Tensor
+    """(draft_vocab_size,) float32 logits at the last extended position."""
+    hidden: torch.Tensor
+    """(1, 1, H) the state the next draft step receives."""
+    length: int
+    """Positions extended over (the next extension starts here)."""
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Accepted tokens (1, T) and their target features (1, T, F) not extended over yet."""
+
+
+def _check_slot(cache: SlotKVCache, position: int) -> None:
+    """A chain's draft positions are its cache's slots: the next one is the cache's length."""
+    if position != cache.length:
+        raise RuntimeError(f"draft position {position} is not the draft cache's next slot")
+
+
+def chain_draft_engine(draft_model, topk: int, engine, draft_engine) -> DraftEngine | None:
+    """What runs a chain's draft forwards: ``draft_engine``, else one replaying CUDA graphs
+    where the target's engine does; none for a tree (its draft keeps its own cache)."""
+    if topk > 1:
+        return None
+    if draft_engine is None and engine is not None and engine.graphs:
+        return DraftEngine(draft_model, graphs=True)
+    return draft_engine
+
+
+class EagleProposer:
+    """Drafts with an EAGLE-3 draft model (see the module docstring).
+
+    Args:
+        draft_model: the draft, in any dtype: its logits are read in float32.
+        depth: the deepest chain a round drafts (a cache holds room for it).
+        engine: runs a chain's draft forwards (:class:`~specforge.engine.draft.DraftEngine`),
+            or ``None``: the model's own forward with a growing cache.
+        temperature, top_p: sampling (``temperature > 0``): each draft token is drawn from the
+            draft's warped distribution, which is returned beside it for verification.
+    """
+
+    def __init__(
+        self,
+        draft_model: Eagle3DraftModel,
+        *,
+        depth: int,
+        engine: DraftEngine | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+    ):
+        self.draft_model, self.engine, self.depth = draft_model, engine, depth
+        self.temperature, self.top_p = temperature, top_p
+        self.generator: torch.Generator | None = None
+        self.state: DraftState | None = None
+
+    @property
+    def sampling(self) -> bool:
+        return self.temperature > 0
+
+    # -- forwards ------------------------------------------------------------------------------
+
+    def new_cache(self, tokens: int):
+        """An empty draft cache with room for ``tokens`` plus the deepest chain."""
+        if self.engine is None:
+            return DraftKVCache()
+        return self.engine.new_cache(tokens + self.depth + 1)
+
+    @torch.no_grad()
+    def extend(self, tokens: torch.Tensor, aux: torch.Tensor, start: int, cache):
+        """Run the draft over new positions ``start .. start + T - 1`` (token ``t + 1`` and the
+        target feature at ``t`` each); returns the last position's logits and hidden state."""
+        if isinstance(cache, SlotKVCache):  # through the draft engine: positions are slots
+            _check_slot(cache, start)
+            return self.engine.forward(tokens, aux, cache, extend=True)
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
+        logits, hidden = self.draft_model(
+            tokens, self.draft_model.fuse(aux), positions, cache=cache, logits_to_keep=1
+        )
+        return logits[0, -1].float(), hidden[:, -1:]  # float32 whatever the draft's dtype
+
+    @torch.no_grad()
+    def step(self, token: torch.Tensor, hidden: torch.Tensor, position: int, cache):
+        """One draft forward over ``token`` (1,) at ``position`` after ``hidden`` (1, 1, H):
+        the next logits (float32 whatever the draft's dtype) and hidden state."""
+        if isinstance(cache, SlotKVCache):
+            _check_slot(cache, position)
+            return self.engine.forward(token[None], hidden, cache, extend=False)
+        step_position = torch.tensor([[position]], device=token.device)
+        step_logits, hidden = self.draft_model(token[None], hidden, step_position, cache=cache)
+        return step_logits[0, -1].float(), hidden
+
+    # -- proposals -----------------------------------------------------------------------------
+
+    def token(self, logits: torch.Tensor):
+        """The next draft token (target id) and, when sampling, the draft distribution it was
+        drawn from on the target vocabulary."""
+        if not self.sampling:
+            return self.draft_model.to_target_ids(logits.argmax(-1, keepdim=True)), None
+        q = warp_probs(logits, self.temperature, self.top_p)
+        draft_id = torch.multinomial(q, 1, generator=self.generator)
+        vocab_size = self.draft_model.t2d.numel()
+        hot_ids = self.draft_model.hot_ids
+        q_target = torch.zeros(vocab_size, device=q.device).index_copy(0, hot_ids, q)
+        return self.draft_model.to_target_ids(draft_id), q_target
+
+    @torch.no_grad()
+    def chain(self, steps: int):
+        """Propose ``steps`` target ids as a chain from the state after the last accepted
+        token. Returns the tokens (K,) and, when sampling, their draft distributions (K, V)."""
+        state = self.state
+        logits, hidden, position = state.logits, state.hidden, state.length - 1
+        tokens, dists = [], []
+        for k in range(steps):
+            token, dist = self.token(logits)
+            tokens.append(token)
+            dists.append(dist)
+            if k == steps - 1:
+                break
+            logits, hidden = self.step(token, hidden, position + 1 + k, state.cache)
+        return torch.cat(tokens), (torch.stack(dists) if self.sampling else None)
+
+    def candidates(self, count: int) -> list[tuple[int, float]]:
+        """The draft's ``count`` most likely first tokens ``(target id, q)``, most likely
+        first."""
+        logits = self.state.logits
+        q, draft_ids = logits.float().softmax(-1).topk(min(count, len(logits)))
+        target_ids = self.draft_model.to_target_ids(draft_ids)
+        return list(zip(target_ids.tolist(), q.tolist(), strict=True))
+
+    @torch.no_grad()
+    def tree(self, *, topk: int, num_steps: int, num_draft_tokens: int):
+        """A tree of ``num_draft_tokens`` nodes, ``topk`` branches a step, ``num_steps``
+        levels (:func:`~specforge.serving.tree.build_tree`)."""
+        state = self.state
+        return build_tree(
+            self.draft_model,
+            state.logits,
+            state.hidden,
+            last_position=state.length,
+            cache=state.cache,
+            topk=topk,
+            num_steps=num_steps,
+            num_draft_tokens=num_draft_tokens,
+        )
+
+    # -- a sequence's state --------------------------------------------------------------------
+
+    def start(self, tokens: torch.Tensor, aux: torch.Tensor, capacity: int) -> None:
+        """A new sequence: the draft over the prompt's features ``aux`` (1, T, F) with tokens
+        (1, T) (each position's next token: the prompt's from the second on, then the
+        target's first), in a cache with room for ``capacity`` positions."""
+        cache = self.new_cache(capacity)
+        logits, hidden = self.extend(tokens, aux, 0, cache)
+        self.state = DraftState(cache, logits, hidden, tokens.shape[1])
+
+    def accepted(self, tokens: list[int], aux: torch.Tensor) -> None:
+        """A round's emitted ``tokens`` and their target features (1, T, F), to extend over
+        when the draft next drafts."""
+        new = (torch.tensor([tokens], device=aux.device), aux)
+        pending = self.state.pending
+        if pending is not None:
+            new = tuple(torch.cat([old, more], 1) for old, more in zip(pending, new, strict=True))
+        self.state.pending = new
+
+    def catch_up(self) -> bool:
+        """Drop the draft-time entries and extend over the accepted tokens; returns whether
+        there was anything to extend over."""
+        state = self.state
+        if state.pending is None:
+            return False
+        path, aux = state.pending
+        crop_cache(state.cache, state.length)
+        state.logits, state.hidden = self.extend(path, aux, state.length, state.cache)
+        state.length += path.shape[1]
+        state.pending = None
+        return True

@@ -1,0 +1,89 @@
+"""The target's side of a round: its KV cache, its forward over the proposed tokens (a chain,
+or a tree under its mask) returning float32 logits and the target features the draft reads
+next, and what it accepts. Through the engine (:class:`~specforge.engine.target.TargetEngine`)
+where one runs the target, else transformers' forward with a growing cache."""
+
+from __future__ import annotations
+
+import torch
+
+from specforge.engine.cache import gather_cache
+from specforge.engine.target import TargetEngine
+from specforge.models.adapter import check_logits
+from specforge.models.kv_cache import growing_cache
+from specforge.models.target import target_hidden_states
+from specforge.serving.tree import DraftTree, row_argmax, tree_attention, verification_inputs
+
+
+class TargetVerifier:
+    """Verifies proposals with ``target_model`` (see the module docstring).
+
+    Args:
+        aux_layer_ids: the target layers whose outputs the draft reads.
+        engine: the engine over ``target_model`` that runs its forwards, or ``None``.
+    """
+
+    def __init__(self, target_model, *, aux_layer_ids: list[int], engine: TargetEngine | None):
+        self.target, self.engine = target_model, engine
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.transform = check_logits(target_model)
+        """What the target does to ``lm_head``'s output (verification uses its logits)."""
+
+    def new_cache(self, tokens: int, widest: int):
+        """An empty cache with room for ``tokens`` plus a verification of ``widest`` tokens."""
+        if self.engine is None:
+            return growing_cache()
+        return self.engine.new_cache(tokens + widest)
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, cache, positions=None, logits_to_keep=0, visible=None
+    ):
+        """Target logits (T, V) and fused-aux inputs (1, T, 3 * Ht) for new tokens ``input_ids``
+        (1, T), extending ``cache`` (tree verification passes positions and, through the
+        engine, the (T, T) ``visible`` table; else inside :func:`tree_attention`).
+        ``logits_to_keep``: logits of the last this many positions only (0: all; a prefill
+        needs its last alone, as HF's ``generate`` computes)."""
+        if self.engine is not None:
+            keep = logits_to_keep
+            return self.engine.forward(
+                input_ids, cache, positions=positions, visible=visible, logits_to_keep=keep
+            )
+        states = target_hidden_states(
+            self.target,
+            input_ids,
+            aux_layer_ids=self.aux_layer_ids,
+            past_key_values=cache,
+            position_ids=positions,
+        )
+        logits = self.target.get_output_embeddings()(states.last_hidden_state[0, -logits_to_keep:])
+        return self.transform(logits.float()), states.aux_hidden_states
+
+    @torch.no_grad()
+    def tree(self, tree: DraftTree, next_token: int, length: int, cache):
+        """The target over the root ``next_token`` (at position ``length``) and ``tree`` with
+        the tree mask: logits and fused-aux inputs per row."""
+        ids, positions, visible = verification_inputs(tree, next_token, length)
+        if self.engine is not None:
+            return self.forward(ids, cache, positions, visible=visible)
+        with tree_attention(self.target, positions[0], visible, prefix=length):
+            return self.forward(ids, cache, positions)
+
+    @staticmethod
+    def accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+        """Greedy acceptance: the number ``a`` of leading draft tokens equal to the target's
+        argmax, and the target's token after them (the bonus)."""
+        predicted, accepted = row_argmax(target_logits), 0  # rows 0 .. K
+        for token in draft_tokens.tolist():
+            if predicted(accepted) != token:
+                break
+            accepted += 1
+        return accepted, predicted(accepted)
+
+    @staticmethod
+    def keep_path(tree: DraftTree, path: list[int], bonus: int, length: int, cache, aux):
+        """Keep the accepted ``path``'s cache rows only; returns what a round returns: the
+        emitted tokens, how many draft tokens were accepted and their aux rows."""
+        rows = [0] + [node + 1 for node in path]
+        gather_cache(cache, length, rows)
+        return [int(tree.tokens[node]) for node in path] + [bonus], len(path), aux[:, rows]
