@@ -143,9 +143,10 @@ class TargetEngine:
         self.embed = model.get_input_embeddings()
         self.rotary = getattr(self.decoder, "rotary_emb", None)
         self.norm = final_norm(model)
-        self.aux_layer_ids = check_aux_layer_ids(list(aux_layer_ids), len(self.layers))
-        ascending = sorted(range(3), key=lambda k: self.aux_layer_ids[k])
-        self._aux_order = [ascending.index(k) for k in range(3)]
+        self.aux_layer_ids = check_aux_layer_ids(aux_layer_ids, len(self.layers), count=None)
+        count = len(self.aux_layer_ids)
+        ascending = sorted(range(count), key=lambda k: self.aux_layer_ids[k])
+        self._aux_order = [ascending.index(k) for k in range(count)]
         """Where each aux layer's output sits among the captured ones (in layer order)."""
         self.head = model.get_output_embeddings()
         self.transform = check_logits(model)
@@ -209,7 +210,7 @@ class TargetEngine:
     def _layers(self, input_ids, positions, slots, mask, cache):
         """The decoder's plain loop (what ``torch.compile`` captures): embeddings, rotary
         positions, every layer writing its keys at ``slots``, the final norm. Returns the last
-        hidden states (1, T, H) and the aux layers' outputs (1, T, 3 * H)."""
+        hidden states (1, T, H) and the aux layers' outputs (1, T, n * H), n the aux layers."""
         hidden = self.embed(input_ids)
         position_embeddings = self.rotary(hidden, position_ids=positions)
         cache.write_at(slots, mask.shape[-1])
@@ -225,7 +226,7 @@ class TargetEngine:
             )
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
             captured += [hidden] * self.aux_layer_ids.count(index)
-        # 3 x (1, T, H) -> (1, T, 3 * H), in the draft's layer order
+        # n x (1, T, H) -> (1, T, n * H), in the draft's layer order
         fused = torch.cat([captured[i] for i in self._aux_order], -1)
         return self.norm(hidden), fused
 
@@ -249,7 +250,7 @@ class TargetEngine:
             logits_to_keep: logits of the last this many tokens only (0: all).
 
         Returns:
-            Logits (T or ``logits_to_keep``, V) in float32 and the aux inputs (1, T, 3 * H).
+            Logits (T or ``logits_to_keep``, V) in float32 and the aux inputs (1, T, n * H).
 
         Raises:
             ValueError: more tokens than the cache has room for.

@@ -99,50 +99,18 @@ class Eagle3Config:
         text config of a multimodal checkpoint). The draft's activation is SiLU whatever the
         target's (SGLang's and vLLM's EAGLE-3 drafts run nothing else), its norm an RMSNorm
         with the target's epsilon, its RoPE the target's full-attention settings."""
-        from specforge.models.adapter import config_value, draft_rope_parameters, norm_eps
-        from specforge.models.adapter import text_config as text_of
-
-        config = text_of(target_config)
-        hidden = config.hidden_size
-        heads = config.num_attention_heads
         values = {
-            "hidden_size": hidden,
-            "intermediate_size": config_value(
-                config, "intermediate_size", "ffn_hidden_size", default=4 * hidden
-            ),
-            "num_attention_heads": heads,
-            "num_key_value_heads": config_value(
-                config, "num_key_value_heads", "num_kv_heads", default=heads
-            ),
-            "head_dim": config_value(config, "head_dim", default=hidden // heads),
-            "vocab_size": config.vocab_size,
+            **target_geometry(target_config),
             "draft_vocab_size": draft_vocab_size,
-            "target_hidden_size": hidden,
-            "max_position_embeddings": config_value(
-                config, "max_position_embeddings", default=4096
-            ),
-            "rope_parameters": draft_rope_parameters(config),
-            "rms_norm_eps": norm_eps(config),
             "hidden_act": "silu",
         }
+        values["target_hidden_size"] = values["hidden_size"]
         values.update(overrides)
         return cls(**values)
 
     def to_llama_config(self) -> LlamaConfig:
         """The equivalent one-layer LlamaConfig (for transformers' RoPE, MLP and norms)."""
-        return LlamaConfig(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            vocab_size=self.vocab_size,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=dict(self.rope_parameters),
-            rms_norm_eps=self.rms_norm_eps,
-            hidden_act=self.hidden_act,
-            num_hidden_layers=1,
-        )
+        return llama_config(self, num_hidden_layers=1)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -154,14 +122,65 @@ class Eagle3Config:
         Raises:
             UserError: unknown or missing keys, or inconsistent values, naming ``where``.
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise UserError(f"{where}: unknown draft config keys {unknown}")
-        try:
-            return cls(**values)
-        except (TypeError, ValueError) as err:
-            raise UserError(f"{where}: not a valid draft config: {err}") from None
+        return config_from_dict(cls, values, where, "draft")
+
+
+def target_geometry(target_config) -> dict[str, Any]:
+    """A draft's shape from an HF target config (the text config of a multimodal checkpoint):
+    width, heads, vocabulary, positions, the target's full-attention RoPE and its norm
+    epsilon, whatever the family calls them."""
+    from specforge.models.adapter import config_value, draft_rope_parameters, norm_eps
+    from specforge.models.adapter import text_config as text_of
+
+    config = text_of(target_config)
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": config_value(
+            config, "intermediate_size", "ffn_hidden_size", default=4 * hidden
+        ),
+        "num_attention_heads": heads,
+        "num_key_value_heads": config_value(
+            config, "num_key_value_heads", "num_kv_heads", default=heads
+        ),
+        "head_dim": config_value(config, "head_dim", default=hidden // heads),
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config_value(config, "max_position_embeddings", default=4096),
+        "rope_parameters": draft_rope_parameters(config),
+        "rms_norm_eps": norm_eps(config),
+    }
+
+
+def llama_config(config, *, num_hidden_layers: int) -> LlamaConfig:
+    """The LlamaConfig of a draft config's geometry (for transformers' RoPE, MLP and norms)."""
+    return LlamaConfig(
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters=dict(config.rope_parameters),
+        rms_norm_eps=config.rms_norm_eps,
+        hidden_act=config.hidden_act,
+        num_hidden_layers=num_hidden_layers,
+    )
+
+
+def config_from_dict(cls, values: dict[str, Any], where: str, what: str):
+    """A draft config dataclass ``cls`` from saved values.
+
+    Raises:
+        UserError: unknown or missing keys, or inconsistent values, naming ``where``.
+    """
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise UserError(f"{where}: unknown {what} config keys {unknown}")
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"{where}: not a valid {what} config: {err}") from None
 
 
 class DraftKVCache:

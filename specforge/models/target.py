@@ -62,11 +62,17 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
-def check_aux_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
-    """Validate user-given aux layer ids against the target's depth and return them as a list."""
+def check_aux_layer_ids(
+    aux_layer_ids: list[int], num_layers: int, *, count: int | None = 3
+) -> list[int]:
+    """Validate user-given aux layer ids against the target's depth and return them as a list:
+    ``count`` of them (EAGLE-3 fuses 3), or any non-empty list (``None``: a DFlash draft reads
+    as many as it was trained on)."""
     ids = list(aux_layer_ids)
-    if len(ids) != 3:
-        raise UserError(f"EAGLE-3 fuses exactly 3 aux layers, got {ids}")
+    if count is not None and len(ids) != count:
+        raise UserError(f"EAGLE-3 fuses exactly {count} aux layers, got {ids}")
+    if not ids:
+        raise UserError("no aux layer ids given")
     for i in ids:
         if not 0 <= i < num_layers:
             raise UserError(f"aux layer id {i} is outside the target's layers 0..{num_layers - 1}")
@@ -100,7 +106,7 @@ def target_hidden_states(
 ) -> TargetHiddenStates:
     """Run the target's decoder once and capture the aux layers and the final hidden state.
 
-    Only the three aux layers are kept (forward hooks on the decoder layers) and the full-vocab
+    Only the aux layers are kept (forward hooks on the decoder layers) and the full-vocab
     logits are never computed: the loss derives the target distribution from
     ``last_hidden_state`` and ``lm_head`` restricted to the draft vocabulary.
 
@@ -109,7 +115,8 @@ def target_hidden_states(
         input_ids: (B, T) token ids.
         attention_mask: (B, T) 1 for real tokens, 0 for padding, or ``None`` (tree
             verification masks through :func:`specforge.serving.tree.tree_attention`).
-        aux_layer_ids: three decoder layer ids (see :func:`default_aux_layer_ids`).
+        aux_layer_ids: decoder layer ids (EAGLE-3's three, :func:`default_aux_layer_ids`, or a
+            DFlash draft's ``target_layer_ids``).
         past_key_values: an HF cache to extend (serving), or ``None`` (training: no cache).
         position_ids: (B, T) explicit positions (tree verification), else consecutive.
 
@@ -117,7 +124,7 @@ def target_hidden_states(
         The captured states, in the model's dtype.
     """
     decoder, layers = find_decoder(model)
-    ids = check_aux_layer_ids(aux_layer_ids, len(layers))
+    ids = check_aux_layer_ids(aux_layer_ids, len(layers), count=None)
     captured: dict[int, torch.Tensor] = {}
 
     def hook_for(layer_id: int):
@@ -138,7 +145,7 @@ def target_hidden_states(
     finally:
         for handle in handles:
             handle.remove()
-    # 3 x (B, T, H) -> (B, T, 3 * H)
+    # n x (B, T, H) -> (B, T, n * H)
     aux = torch.cat([captured[i] for i in ids], dim=-1)
     return TargetHiddenStates(aux_hidden_states=aux, last_hidden_state=outputs.last_hidden_state)
 

@@ -32,6 +32,7 @@ from specforge.engine.generation import warp_probs
 from specforge.engine.target import TargetEngine
 from specforge.errors import UserError
 from specforge.models.adapter import serving_refusal, tree_refusal
+from specforge.models.dflash import DFlashDraftModel
 from specforge.models.eagle3 import Eagle3DraftModel
 from specforge.serving.adaptive import CostModel, calibrate
 from specforge.serving.policy import (
@@ -43,7 +44,7 @@ from specforge.serving.policy import (
     check_decoding,
     checked_depth,
 )
-from specforge.serving.proposers.eagle import EagleProposer, chain_draft_engine
+from specforge.serving.proposers import proposer_for
 from specforge.serving.sampling import accept_chain_sampling, accept_tree_sampling, sample
 from specforge.serving.stats import SpecStats
 from specforge.serving.tree import accept_greedy
@@ -63,7 +64,7 @@ class SpeculativeDecoder:
     def __init__(
         self,
         target_model,
-        draft_model: Eagle3DraftModel,
+        draft_model: Eagle3DraftModel | DFlashDraftModel,
         *,
         aux_layer_ids: list[int],
         num_steps: int | str = 5,
@@ -79,8 +80,9 @@ class SpeculativeDecoder:
         """
         Args:
             target_model: the HF target (eval mode).
-            draft_model: the draft (e.g. from :func:`load_exported_draft`), in any dtype: its
-                logits are read in float32, and only its proposals depend on its precision.
+            draft_model: an EAGLE-3 draft (e.g. from :func:`load_exported_draft`) or a DFlash
+                draft (a block a round, at a fixed depth), in any dtype: its logits are read in
+                float32, and only its proposals depend on its precision.
             aux_layer_ids: the target layers the draft was trained on.
             num_steps: draft depth (tokens per chain), or ``"auto"``: each round the depth in
                 ``0 .. AUTO_MAX_DEPTH`` with the most expected tokens per second, decided token
@@ -120,10 +122,13 @@ class SpeculativeDecoder:
         self.temperature, self.top_p = temperature, top_p
         self.generator: torch.Generator | None = None
         self.device = next(target_model.parameters()).device
-        self.proposer = EagleProposer(
+        self.proposer = proposer_for(
             draft_model,
-            depth=num_steps,
-            engine=chain_draft_engine(draft_model, topk, engine, draft_engine),
+            num_steps=num_steps,
+            topk=topk,
+            auto=self.auto,
+            engine=engine,
+            draft_engine=draft_engine,
             temperature=temperature,
             top_p=top_p,
         )
@@ -142,7 +147,7 @@ class SpeculativeDecoder:
     # -- what the policy and the proposer hold -----------------------------------------------
 
     @property
-    def draft_model(self) -> Eagle3DraftModel:
+    def draft_model(self) -> Eagle3DraftModel | DFlashDraftModel:
         return self.proposer.draft_model
 
     @property

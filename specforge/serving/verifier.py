@@ -39,7 +39,7 @@ class TargetVerifier:
     def forward(
         self, input_ids: torch.Tensor, cache, positions=None, logits_to_keep=0, visible=None
     ):
-        """Target logits (T, V) and fused-aux inputs (1, T, 3 * Ht) for new tokens ``input_ids``
+        """Target logits (T, V) and fused-aux inputs (1, T, n * Ht) for new tokens ``input_ids``
         (1, T), extending ``cache`` (tree verification passes positions and, through the
         engine, the (T, T) ``visible`` table; else inside :func:`tree_attention`).
         ``logits_to_keep``: logits of the last this many positions only (0: all; a prefill

@@ -9,6 +9,7 @@ from scipy.stats import chisquare
 from specforge.data.vocab import build_vocab_map
 from specforge.engine.generation import NUCLEUS_CANDIDATES, warp_probs
 from specforge.engine.target import TargetEngine
+from specforge.models.dflash import DFlashConfig, build_dflash_model
 from specforge.models.eagle3 import Eagle3Config, build_draft_model
 from specforge.models.int8_linear import int8_linear_available, quantize_linears
 from specforge.serving.sampling import accept_chain_sampling, accept_tree_sampling
@@ -156,6 +157,30 @@ def test_speculative_sampling_matches_the_target(
     biased[top[1]] -= 0.02
     biased[top[2]] += 0.02
     assert chi_square_p(second, biased) < 1e-3
+
+
+@pytest.mark.slow  # 6000 speculative generations, ~40 s on 2 cores
+def test_dflash_block_sampling_matches_the_target(models):
+    """A DFlash block's slots are drawn in parallel from the draft's distribution there;
+    rejection sampling over them keeps the target's distribution."""
+    target, _ = models
+    other = make_tiny_llama(VOCAB, num_layers=4, seed=12, initializer_range=0.3).float()
+    config = DFlashConfig.from_target(target.config, mask_token_id=VOCAB - 1, block_size=3)
+    draft = build_dflash_model(
+        config,
+        target_embedding=target.get_input_embeddings().weight,
+        target_lm_head=other.get_output_embeddings().weight,
+        seed=3,
+    )
+    decoder = SpeculativeDecoder(
+        target,
+        draft,
+        aux_layer_ids=config.target_layer_ids,
+        num_steps=2,
+        temperature=TEMPERATURE,
+    )
+    counts = draw(decoder, 3)
+    assert chi_square_p(counts, exact_joint(target, 3, 1.0)) > 1e-3
 
 
 def test_sampling_needs_a_positive_temperature():
