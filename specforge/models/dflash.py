@@ -50,17 +50,19 @@ FROZEN_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
 
 def default_target_layer_ids(num_layers: int, count: int = 5) -> list[int]:
     """``count`` target layers spread evenly from layer 1 to layer ``L - 3`` (the outputs of
-    those decoder layers, as the aux layer ids count them; DFlash's published drafts read 5).
+    those decoder layers, as the aux layer ids count them), or the middle layer alone for one:
+    the rule SGLang applies to a DFlash config without ``target_layer_ids`` (Python's
+    rounding, halves to even), so both read the same layers. DFlash's published drafts read 5.
 
     Raises:
         UserError: a target too shallow for ``count`` distinct layers.
     """
+    if count == 1:
+        return [num_layers // 2]
     last = num_layers - 3
     if count < 1 or last < count:
         raise UserError(f"{count} target layers need a target with >= {count + 3} layers")
-    if count == 1:
-        return [last]
-    return [int(1 + i * (last - 1) / (count - 1) + 0.5) for i in range(count)]
+    return [round(1 + i * (last - 1) / (count - 1)) for i in range(count)]
 
 
 @dataclass

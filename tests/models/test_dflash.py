@@ -85,8 +85,10 @@ def test_a_block_depends_on_no_context_at_or_after_its_anchor():
 
 
 def test_config_refuses_what_cannot_run_and_spreads_target_layers():
-    assert default_target_layer_ids(30) == [1, 8, 14, 21, 27]
+    # SGLang's rule for a config without target_layer_ids: halves round to even
+    assert default_target_layer_ids(30) == [1, 8, 14, 20, 27]
     assert default_target_layer_ids(8, count=3) == [1, 3, 5]
+    assert default_target_layer_ids(30, count=1) == [15]
     with pytest.raises(UserError, match="5 target layers need a target with >= 8 layers"):
         default_target_layer_ids(6)
     target = make_tiny_llama(VOCAB, num_layers=6)
