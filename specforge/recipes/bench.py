@@ -11,6 +11,7 @@ turns done, tokens/s and the running accept length.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.questions import ask_turns, load_questions, resolve_question_set
 from specforge.engine.target import EnginePath, build_engine
 from specforge.errors import UserError
+from specforge.io import read_json
 from specforge.models.adapter import text_config
 from specforge.models.int8_linear import quantize_linears
 from specforge.models.packed_linear import prepack_linears
@@ -29,6 +31,7 @@ from specforge.recipes.stage import start_stage
 from specforge.serving.adaptive import ConfidenceCalibration
 from specforge.serving.bench import BenchTally, MethodComparison, bench_report, write_report
 from specforge.serving.export import exported_aux_layer_ids, load_exported_draft
+from specforge.serving.export_dflash import is_dflash_export, load_exported_dflash
 from specforge.serving.speculative import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,7 @@ def bench_settings(cfg: SpecForgeConfig, questions: str) -> dict[str, Any]:
         "target": cfg.target.name_or_path,
         "device": cfg.target.device,
         "draft": str(cfg.bench_draft),
+        "draft_family": "dflash" if is_dflash_export(cfg.bench_draft) else "eagle3",
         "questions": questions,
         "output": str(cfg.bench_dir),
     }
@@ -67,8 +71,17 @@ def bench_settings(cfg: SpecForgeConfig, questions: str) -> dict[str, Any]:
 
 def load_bench_draft(cfg: SpecForgeConfig, target, dtype: str, quantize: str):
     """The exported draft ``cfg.bench_draft`` in ``dtype`` on the target's device, sharing
-    ``target``'s input embedding; its linear layers int8 for ``quantize`` ``int8``
-    (``bench.draft_quantize``, resolved), else prepacked where the target's are."""
+    ``target``'s input embedding; an EAGLE-3 draft's linear layers int8 for ``quantize``
+    ``int8`` (``bench.draft_quantize``, resolved), else prepacked where the target's are; a
+    DFlash draft shares the target's ``lm_head`` too."""
+    if is_dflash_export(cfg.bench_draft):
+        return load_exported_dflash(
+            cfg.bench_draft,
+            target_config=target.config,
+            target_embedding=target.get_input_embeddings().weight.detach().float(),
+            target_lm_head=target.get_output_embeddings().weight.detach().float(),
+            dtype=torch_dtype(dtype),
+        ).to(cfg.target.device)
     draft = load_exported_draft(
         cfg.bench_draft,
         target_config=target.config,
@@ -82,15 +95,23 @@ def load_bench_draft(cfg: SpecForgeConfig, target, dtype: str, quantize: str):
     return draft
 
 
+def bench_aux_layer_ids(export_dir, target) -> list[int]:
+    """The target layers the exported draft reads: a DFlash draft's ``target_layer_ids``, an
+    EAGLE-3 draft's aux layers."""
+    if is_dflash_export(export_dir):
+        return list(
+            read_json(Path(export_dir) / "config.json")["dflash_config"]["target_layer_ids"]
+        )
+    return exported_aux_layer_ids(export_dir, text_config(target.config).num_hidden_layers)
+
+
 def build_comparison(cfg: SpecForgeConfig, turns: int) -> tuple[MethodComparison, Any, EnginePath]:
     """Load the target (in ``bench.dtype``) and the exported draft (in ``bench.draft_dtype``,
     its weights as ``bench.draft_quantize`` says) for a bench of ``turns`` turns; returns the
     comparison, the tokenizer and the path the target's forwards take."""
     bc = cfg.bench
     target, tokenizer = load_target(cfg.target, dtype=bc.dtype)
-    aux_layer_ids = exported_aux_layer_ids(
-        cfg.bench_draft, text_config(target.config).num_hidden_layers
-    )
+    aux_layer_ids = bench_aux_layer_ids(cfg.bench_draft, target)
     engine, path = build_engine(
         target,
         aux_layer_ids=aux_layer_ids,

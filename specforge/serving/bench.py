@@ -274,10 +274,11 @@ def round_costs(total: SpecStats, target_seconds: float, target_tokens: int) -> 
 
 
 def measured_advice(stats: SpecStats, settings: dict[str, Any]) -> dict[str, Any] | None:
-    """SGLang launch advice from the acceptance this run measured (chains only: a tree's
-    positions are not a chain's)."""
+    """SGLang launch advice from the acceptance this run measured (EAGLE-3 chains only: a
+    tree's positions are not a chain's, and a DFlash block's depth is its ``block_size``)."""
     deepest = max(stats.depth_histogram, default=0)
-    if settings.get("topk", 1) != 1 or deepest == 0:
+    chain = settings.get("topk", 1) == 1 and settings.get("draft_family", "eagle3") == "eagle3"
+    if not chain or deepest == 0:
         return None
     return sglang_advice(
         stats.acceptance_per_position[:deepest],

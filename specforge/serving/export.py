@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,23 +154,12 @@ def check_export_tensors(
     Raises:
         ExportError: listing every problem.
     """
-    problems = []
-    expected = {spec.name: spec for spec in EXPORT_CONTRACT if spec.when(config)}
-    for name in sorted(set(tensors) - set(expected)):
-        problems.append(f"unexpected tensor {name!r} (engines would silently drop it)")
-    for name, spec in expected.items():
-        if name not in tensors:
-            problems.append(f"missing tensor {name!r} (engines would leave it uninitialized)")
-            continue
-        tensor = tensors[name]
-        want_shape = spec.shape(config)
-        if tuple(tensor.shape) != want_shape:
-            problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {want_shape}")
-        want_dtype = KIND_DTYPES.get(spec.kind, dtype)
-        if tensor.dtype != want_dtype:
-            problems.append(f"{name}: dtype {tensor.dtype}, expected {want_dtype}")
-        elif spec.kind == "float" and not bool(torch.isfinite(tensor).all()):
-            problems.append(f"{name}: holds NaN or infinite values (a diverged training run?)")
+    expected = {
+        spec.name: (spec.shape(config), KIND_DTYPES.get(spec.kind, dtype))
+        for spec in EXPORT_CONTRACT
+        if spec.when(config)
+    }
+    problems = contract_problems(tensors, expected)
     if not problems and _reduced(config):
         try:
             VocabMap(d2t=tensors["d2t"], t2d=tensors["t2d"]).check()
@@ -177,6 +167,47 @@ def check_export_tensors(
             problems.append(str(err))
     if problems:
         raise ExportError("export breaks the contract:\n  " + "\n  ".join(problems))
+
+
+def contract_problems(
+    tensors: dict[str, torch.Tensor], expected: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> list[str]:
+    """What breaks a contract of ``{name: (shape, dtype)}`` in ``tensors``: names the engines
+    would drop or leave uninitialised, shapes, dtypes, and non-finite float weights."""
+    problems = []
+    for name in sorted(set(tensors) - set(expected)):
+        problems.append(f"unexpected tensor {name!r} (engines would silently drop it)")
+    for name, (want_shape, want_dtype) in expected.items():
+        if name not in tensors:
+            problems.append(f"missing tensor {name!r} (engines would leave it uninitialized)")
+            continue
+        tensor = tensors[name]
+        if tuple(tensor.shape) != want_shape:
+            problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {want_shape}")
+        if tensor.dtype != want_dtype:
+            problems.append(f"{name}: dtype {tensor.dtype}, expected {want_dtype}")
+        elif tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            problems.append(f"{name}: holds NaN or infinite values (a diverged training run?)")
+    return problems
+
+
+def rope_problems(exported: dict[str, Any], target_config) -> list[str]:
+    """Where ``config.json``'s RoPE is not the target's full-attention RoPE (nested per-layer-
+    type settings give their full_attention entry), in both layouts engines read."""
+    problems = []
+    target_rope = draft_rope_parameters(target_config)
+    if exported.get("rope_parameters") != target_rope:
+        problems.append(
+            f"rope_parameters {exported.get('rope_parameters')} != target's full-attention "
+            f"RoPE {target_rope}"
+        )
+    theta, scaling = _rope_legacy(target_rope)
+    if exported.get("rope_theta") != theta or exported.get("rope_scaling") != scaling:
+        problems.append(
+            f"rope_theta/rope_scaling {exported.get('rope_theta')}/"
+            f"{exported.get('rope_scaling')} != target's {theta}/{scaling}"
+        )
+    return problems
 
 
 def _rope_legacy(rope_parameters: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -268,20 +299,8 @@ def check_export_config(exported: dict[str, Any], target_config) -> None:
             f"hidden_act is {exported.get('hidden_act')!r}: SGLang's and vLLM's EAGLE-3 drafts "
             "run SiLU only"
         )
-    # the draft runs the target's full-attention RoPE (nested per-layer-type settings give
-    # their full_attention entry); the exported theta must be that one, not a fallback
-    target_rope = draft_rope_parameters(target_config)
-    if exported.get("rope_parameters") != target_rope:
-        problems.append(
-            f"rope_parameters {exported.get('rope_parameters')} != target's full-attention "
-            f"RoPE {target_rope}"
-        )
-    theta, scaling = _rope_legacy(target_rope)
-    if exported.get("rope_theta") != theta or exported.get("rope_scaling") != scaling:
-        problems.append(
-            f"rope_theta/rope_scaling {exported.get('rope_theta')}/"
-            f"{exported.get('rope_scaling')} != target's {theta}/{scaling}"
-        )
+    # the draft runs the target's full-attention RoPE
+    problems += rope_problems(exported, target_config)
     if problems:
         raise ExportError("export config breaks the contract:\n  " + "\n  ".join(problems))
 
@@ -326,20 +345,30 @@ def write_export(
     check_export_config(exported, target_config)
     tensors = export_tensors(model, float_dtype)
     check_export_tensors(tensors, config, float_dtype)
+    with export_directory(out_dir, exported, tensors, tokenizer) as tmp:
+        torch.save(model.hot_ids.cpu().contiguous(), tmp / f"freq_{config.draft_vocab_size}.pt")
+        if advice is not None:
+            write_json_atomic(tmp / "sglang_advice.json", advice)
+            write_text_atomic(tmp / "sglang_advice.md", advice_markdown(advice))
+    return Path(out_dir)
+
+
+@contextmanager
+def export_directory(out_dir, exported: dict, tensors: dict[str, torch.Tensor], tokenizer):
+    """Write an export atomically: ``config.json``, ``model.safetensors`` and the tokenizer,
+    then what the ``with`` block adds, then the marker listing every file; the directory
+    appears whole or not at all, and replaces only a previous export
+    (:func:`check_replaceable`)."""
     out_dir = Path(out_dir)
     check_replaceable(out_dir)
     with atomic_directory(out_dir) as tmp:
         write_json_atomic(tmp / "config.json", exported)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        torch.save(model.hot_ids.cpu().contiguous(), tmp / f"freq_{config.draft_vocab_size}.pt")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if advice is not None:
-            write_json_atomic(tmp / "sglang_advice.json", advice)
-            write_text_atomic(tmp / "sglang_advice.md", advice_markdown(advice))
+        yield tmp
         files = sorted(p.name for p in tmp.iterdir()) + [MARKER]
         write_json_atomic(tmp / MARKER, {"written_by": f"specforge {__version__}", "files": files})
-    return out_dir
 
 
 def check_replaceable(out_dir: Path) -> None:
