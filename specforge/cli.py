@@ -50,6 +50,7 @@ FLAG_NAMES = {
     "capture.dtype": "store-dtype",
     "output_dir": "output-dir",
     "draft.variant": "draft-variant",
+    "draft.type": "draft-type",
     "synthesize.temperature": "synthesize-temperature",
     "synthesize.top_p": "synthesize-top-p",
     "synthesize.batch_size": "synthesize-batch-size",
@@ -259,13 +260,14 @@ STAGES = {
     "train": Stage(
         _run_train,
         "train an EAGLE-3 draft with training-time test (online: the target runs in the step; "
-        "offline: data.mode=offline); under torchrun every rank runs this command",
+        "offline: data.mode=offline), or a DFlash block draft (--draft-type dflash, online); "
+        "under torchrun every rank runs this command",
         ("train", "draft", "output_dir"),
     ),
     "export": Stage(
         _run_export,
-        "write a checkpoint as the LlamaForCausalLMEagle3 directory SGLang "
-        "(--speculative-algorithm EAGLE3) and vLLM load, checked against the contract",
+        "write a checkpoint as the directory SGLang and vLLM load (LlamaForCausalLMEagle3, or "
+        "DFlashDraftModel for a DFlash draft), checked against the contract",
         ("export", "target.trust_remote_code", "output_dir"),
         positional=("export.checkpoint", "export.output"),
     ),

@@ -399,12 +399,50 @@ class CaptureConfig:
 class DraftConfig:
     """The draft's architecture (its geometry follows the target)."""
 
+    type: Literal["eagle3", "dflash"] = "eagle3"
+    """``eagle3``: an EAGLE-3 draft (one layer over three target layers, chains drafted step
+    by step, trained with training-time test). ``dflash``: a DFlash block draft
+    (:mod:`specforge.models.dflash`: ``dflash_layers`` non-causal layers reading
+    ``target_layers`` target layers as keys and values, a block of ``block_size`` predicted in
+    one forward), trained online on the target's greedy tokens."""
     variant: Literal["eagle3", "eagle3.1"] = "eagle3"
     """``eagle3``: SGLang's ``LlamaForCausalLMEagle3``. ``eagle3.1``: the same layer with
     ``fc_norm`` (an RMSNorm on each aux state before ``fc``) and ``norm_output`` (the next
     draft step reads the post-norm hidden state), written to the export's ``config.json`` as
     the engines read them; an engine that predates EAGLE 3.1 ignores both keys, so serve such a
     draft with one that reads them."""
+    block_size: int = 8
+    """``dflash``: tokens per block, the anchor included (a round proposes ``block_size - 1``)."""
+    dflash_layers: int = 1
+    """``dflash``: the draft's decoder layers."""
+    target_layers: int = 5
+    """``dflash``: how many target layers the draft reads, spread from layer 1 to ``L - 3`` as
+    SGLang spreads them (fewer on a shallow target)."""
+    mask_token_id: int | None = None
+    """``dflash``: the target id whose embedding fills a block's slots after the anchor;
+    ``null``: the tokenizer's mask token, else the largest id the training data never holds
+    (recorded in the checkpoint and the export)."""
+    anchors: int = 64
+    """``dflash``: blocks per training sequence, at random anchors before assistant tokens."""
+    block_decay: float | None = 4.0
+    """``dflash``: slot ``k`` of a block weighs ``exp(-(k - 1) / block_decay)`` in the loss
+    (later slots are reached less often); ``null``: every slot alike."""
+
+    def __post_init__(self) -> None:
+        if self.type == "dflash" and self.variant != "eagle3":
+            raise ConfigError(
+                f"draft.variant {self.variant} is an EAGLE-3 variant: draft.type dflash needs "
+                "draft.variant eagle3"
+            )
+        for name in ("dflash_layers", "target_layers", "anchors"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"draft.{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ConfigError(f"draft.block_size must be >= 2, got {self.block_size}")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ConfigError(f"draft.mask_token_id must be >= 0, got {self.mask_token_id}")
+        if self.block_decay is not None and not self.block_decay > 0:
+            raise ConfigError(f"draft.block_decay must be > 0 or null, got {self.block_decay}")
 
     @property
     def switches(self) -> dict[str, bool]:

@@ -255,6 +255,9 @@ class DFlashDraftModel(nn.Module):
     """The DFlash draft: ``fc``, ``hidden_norm``, ``layers``, ``norm``, and the target's
     ``embed_tokens`` and ``lm_head`` (frozen)."""
 
+    frozen_weights = FROZEN_WEIGHTS
+    """The target's tensors the draft holds: never saved, filled from the target on load."""
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config

@@ -330,6 +330,9 @@ class Eagle3DraftModel(nn.Module):
     """The EAGLE-3 draft: ``embed_tokens`` (frozen), ``fc``, ``midlayer``, ``norm``,
     ``lm_head`` and the ``d2t``/``t2d`` vocabulary maps."""
 
+    frozen_weights = FROZEN_WEIGHTS
+    """The target's tensors the draft holds: never saved, filled from the target on load."""
+
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.config = config
@@ -577,7 +580,7 @@ def load_draft_weights(model: Eagle3DraftModel, weights: dict[str, torch.Tensor]
         missing, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError as err:  # shape mismatches
         raise UserError(f"{where}: weights do not fit the draft: {err}") from None
-    missing = [k for k in missing if k not in FROZEN_WEIGHTS]
+    missing = [k for k in missing if k not in getattr(model, "frozen_weights", FROZEN_WEIGHTS)]
     if missing or unexpected:
         raise UserError(
             f"{where}: weights do not fit the draft (missing {missing}, unexpected {unexpected})"

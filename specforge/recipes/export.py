@@ -19,6 +19,7 @@ from specforge.models.target import load_target_config, load_tokenizer
 from specforge.recipes.stage import start_stage
 from specforge.serving.advice import sglang_advice
 from specforge.serving.export import write_export
+from specforge.serving.export_dflash import write_dflash_export
 from specforge.trainer.checkpoint import (
     checkpoint_problem,
     latest_checkpoint,
@@ -92,6 +93,16 @@ def export(cfg: SpecForgeConfig) -> Path:
         raise UserError(f"cannot export {checkpoint}: {problem}")
     target = trained_target(state, cfg)
     model = load_draft(checkpoint)
+    if state.get("draft_type") == "dflash":
+        out = write_dflash_export(
+            cfg.export_dir,
+            model=model,
+            target_config=load_target_config(target),
+            dtype=cfg.export.dtype,
+            tokenizer=load_tokenizer(target),
+        )
+        logger.info("exported %s -> %s (DFlash)", checkpoint, out)
+        return out
     out = write_export(
         cfg.export_dir,
         model=model,

@@ -37,6 +37,12 @@ from specforge.distributed import Distributed, setup_distributed
 from specforge.errors import UserError
 from specforge.models.adapter import config_value
 from specforge.models.compiling import inductor_options
+from specforge.models.dflash import (
+    DFlashConfig,
+    DFlashDraftModel,
+    build_dflash_model,
+    default_target_layer_ids,
+)
 from specforge.models.eagle3 import (
     FROZEN_WEIGHTS,
     Eagle3Config,
@@ -52,6 +58,7 @@ from specforge.trainer.checkpoint import (
     read_trainer_state,
     save_checkpoint,
 )
+from specforge.trainer.dflash import ArgmaxOnly, DFlashObjective, block_metrics
 from specforge.trainer.metrics import MetricsLog, ttt_metrics
 from specforge.trainer.optim import build_optimizer, set_lr
 from specforge.trainer.sources import (
@@ -107,10 +114,14 @@ class TrainingRun:
     ranks: Distributed
     device: str
     source: HiddenStateSource
-    draft: Eagle3DraftModel
-    draft_config: Eagle3Config
+    draft: Eagle3DraftModel | DFlashDraftModel
+    draft_config: Eagle3Config | DFlashConfig
     objective: nn.Module
-    """:class:`TTTObjective`, wrapped in DDP when there are several ranks."""
+    """:class:`TTTObjective` (or :class:`DFlashObjective`), wrapped in DDP when there are
+    several ranks."""
+    vocabulary: object
+    """What the source reads of the draft's vocabulary (``hot_ids``, ``t2d``): the EAGLE-3
+    draft itself, or :class:`ArgmaxOnly` for a DFlash draft."""
     optimizer: torch.optim.Optimizer
     batches: StepBatches
     eval_samples: list[TokenizedSample]
@@ -126,8 +137,14 @@ class TrainingRun:
     """Steps skipped for a non-finite loss or gradient norm."""
 
     @property
-    def unwrapped(self) -> TTTObjective:
+    def unwrapped(self) -> TTTObjective | DFlashObjective:
         return getattr(self.objective, "module", self.objective)
+
+    def metrics(self, results: list) -> dict[str, float]:
+        """Loss, per-position accuracy and ``tau_pred`` over several steps' results."""
+        if isinstance(self.unwrapped, DFlashObjective):
+            return block_metrics(results)
+        return ttt_metrics(results, self.cfg.train.ttt_length)
 
     def autocast(self):
         assert self.cfg.train.dtype != "auto", "train() resolves train.dtype when it starts"
@@ -159,26 +176,20 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     """Distributed setup, the hidden-state source and data, the vocab map, the draft, its
     optimizer, and the resume state."""
     tc = cfg.train
+    if cfg.draft.type == "dflash" and cfg.data.mode == "offline":
+        raise UserError(
+            "draft.type dflash trains online (data.mode online): a capture holds EAGLE-3's "
+            "three aux layers, not the DFlash draft's target layers"
+        )
     ranks = setup_distributed(cfg.target.device)
     device = ranks.device(cfg.target.device)
     torch.manual_seed(tc.seed)
     # 1. hidden states and data
     source = hidden_state_source(cfg, ranks, device)
     train_samples, eval_samples, eval_data = split_samples(cfg, source)
-    # 2. the draft vocabulary and the draft, initialised from the target
-    head = source.head
-    vocab_map, _ = vocab_map_from_samples(
-        train_samples,
-        vocab_size=head.config.vocab_size,
-        draft_vocab_size=cfg.vocab.draft_vocab_size,
-        end_of_turn=end_of_turn_ids(source.tokenizer, source.generation_config),
-    )
-    draft_config = Eagle3Config.from_target(
-        head.config, draft_vocab_size=vocab_map.draft_vocab_size, **cfg.draft.switches
-    )
-    draft = new_draft(cfg, draft_config, head, vocab_map).to(device)
-    if tc.compile == "true":
-        compile_ttt_step(draft)
+    # 2. the draft (and an EAGLE-3 draft's vocabulary), initialised from the target
+    draft, draft_config, vocab_map = build_draft(cfg, source, train_samples, device)
+    vocabulary = draft if vocab_map is not None else ArgmaxOnly.of(draft_config.vocab_size, device)
     # 3. optimizer, resume, and the objective DDP wraps
     optimizer = build_optimizer(
         [p for p in draft.parameters() if p.requires_grad], tc, ranks.world_size
@@ -193,11 +204,16 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     objective: nn.Module = TTTObjective(
         draft, tc.ttt_length, tc.step_weight, tc.loss, tc.target_temperature
     )
+    if cfg.draft.type == "dflash":
+        objective = DFlashObjective(
+            draft, anchors=cfg.draft.anchors, block_decay=cfg.draft.block_decay
+        )
     if ranks.world_size > 1:
         objective = nn.parallel.DistributedDataParallel(objective)
     if ranks.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        save_vocab_map(vocab_map, out / "vocab_map.safetensors")
+        if vocab_map is not None:
+            save_vocab_map(vocab_map, out / "vocab_map.safetensors")
     batches = StepBatches.from_config(
         train_samples, tc, world_size=ranks.world_size, rank=ranks.rank, pad_id=source.pad_id
     )
@@ -211,6 +227,7 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
         draft=draft,
         draft_config=draft_config,
         objective=objective,
+        vocabulary=vocabulary,
         optimizer=optimizer,
         batches=batches,
         eval_samples=eval_samples,
@@ -243,6 +260,85 @@ def new_draft(cfg: SpecForgeConfig, config: Eagle3Config, head, vocab_map) -> Ea
         logger.info("initialised from the target's last layer: %s", ", ".join(copied))
     draft.lm_head.weight.requires_grad_(not cfg.train.freeze_lm_head)
     return draft
+
+
+def build_draft(cfg: SpecForgeConfig, source, samples, device):
+    """The draft ``draft.type`` names, initialised from the target, on ``device``: an EAGLE-3
+    draft over the vocabulary map of ``samples`` (returned too), or a DFlash draft (the
+    source then captures its target layers; no map)."""
+    if cfg.draft.type == "dflash":
+        config = dflash_draft_config(cfg, source, samples)
+        source.aux_layer_ids = list(config.target_layer_ids)  # the layers it reads
+        return new_dflash_draft(cfg, config, source.head).to(device), config, None
+    vocab_map, _ = vocab_map_from_samples(
+        samples,
+        vocab_size=source.head.config.vocab_size,
+        draft_vocab_size=cfg.vocab.draft_vocab_size,
+        end_of_turn=end_of_turn_ids(source.tokenizer, source.generation_config),
+    )
+    config = Eagle3Config.from_target(
+        source.head.config, draft_vocab_size=vocab_map.draft_vocab_size, **cfg.draft.switches
+    )
+    draft = new_draft(cfg, config, source.head, vocab_map).to(device)
+    if cfg.train.compile == "true":
+        compile_ttt_step(draft)
+    return draft, config, vocab_map
+
+
+def dflash_draft_config(cfg: SpecForgeConfig, source, samples) -> DFlashConfig:
+    """The DFlash draft's geometry from the target and ``draft.*`` (its mask token chosen,
+    :func:`mask_token_for`)."""
+    head = source.head
+    layers = head.config.num_hidden_layers
+    mask = mask_token_for(cfg.draft.mask_token_id, source.tokenizer, samples, head.config)
+    count = min(cfg.draft.target_layers, max(layers - 3, 1))
+    return DFlashConfig.from_target(
+        head.config,
+        mask_token_id=mask,
+        num_hidden_layers=cfg.draft.dflash_layers,
+        block_size=cfg.draft.block_size,
+        target_layer_ids=default_target_layer_ids(layers, count=count),
+    )
+
+
+def mask_token_for(requested: int | None, tokenizer, samples, target_config) -> int:
+    """``draft.mask_token_id``, else the tokenizer's mask token, else the largest id that no
+    training sample holds (a target without a mask token: its embedding row is then one the
+    draft never reads as text while it learns).
+
+    Raises:
+        UserError: a requested id outside the target's vocabulary.
+    """
+    vocab_size = target_config.vocab_size
+    if requested is not None:
+        if requested >= vocab_size:
+            raise UserError(
+                f"draft.mask_token_id {requested} is outside the target's vocabulary "
+                f"(0..{vocab_size - 1})"
+            )
+        return requested
+    own = getattr(tokenizer, "mask_token_id", None)
+    if own is not None and 0 <= own < vocab_size:
+        return int(own)
+    seen = torch.zeros(vocab_size, dtype=torch.bool)
+    for sample in samples:
+        seen[sample.input_ids.clamp(0, vocab_size - 1)] = True
+    unseen = (~seen).nonzero()
+    mask = int(unseen[-1]) if len(unseen) else vocab_size - 1
+    logger.info("draft.mask_token_id: %d (a token the training data never holds)", mask)
+    return mask
+
+
+def new_dflash_draft(cfg: SpecForgeConfig, config: DFlashConfig, head) -> DFlashDraftModel:
+    """A DFlash draft before training: the target's embedding and ``lm_head`` (frozen), its
+    norm from the target's final norm, the rest seeded."""
+    return build_dflash_model(
+        config,
+        target_embedding=head.embed_tokens.float().cpu(),
+        target_lm_head=head.lm_head.float().cpu(),
+        target_norm=head.norm.float().cpu(),
+        seed=cfg.train.seed,
+    )
 
 
 def frozen_parameters(draft: Eagle3DraftModel) -> list[str]:
@@ -311,15 +407,15 @@ def resume(cfg: SpecForgeConfig, draft, optimizer, identity: dict) -> tuple[int,
 def evaluate(run: TrainingRun, samples: list[TokenizedSample] | None = None) -> dict[str, float]:
     """TTT metrics (with ``tau_pred``) on ``samples`` (by default the held-out ones), one
     sample per forward."""
-    run.draft.eval()
+    run.unwrapped.eval()
     results = []
     with torch.no_grad(), run.autocast():
         for sample in run.eval_samples if samples is None else samples:
             batch = run.source.eval_batch(sample).to(run.device)
-            aux, target_dist = run.source.states(batch, run.draft)
+            aux, target_dist = run.source.states(batch, run.vocabulary)
             results.append(run.unwrapped(batch, aux, target_dist))
-    run.draft.train()
-    return ttt_metrics(results, run.cfg.train.ttt_length)
+    run.unwrapped.train()
+    return run.metrics(results)
 
 
 def evaluate_all(run: TrainingRun, result: TrainResult, step: int) -> None:
@@ -347,6 +443,7 @@ def save(run: TrainingRun, step: int, seconds: float) -> Path | None:
             draft_config=run.draft_config.to_dict(),
             state={
                 "aux_layer_ids": run.source.aux_layer_ids,
+                "draft_type": run.cfg.draft.type,
                 "config": to_dict(run.cfg),
                 "run": run.identity,
                 "train_seconds": round(seconds, 3),
@@ -362,7 +459,7 @@ def accumulate(run: TrainingRun, micro_batches) -> tuple[list[TTTResult], int]:
     results, tokens = [], 0
     for index, batch in enumerate(micro_batches):
         batch = batch.to(run.device)
-        aux, target_dist = run.source.states(batch, run.draft)
+        aux, target_dist = run.source.states(batch, run.vocabulary)
         last = index == len(micro_batches) - 1
         no_sync = not last and run.ranks.world_size > 1
         with run.objective.no_sync() if no_sync else contextlib.nullcontext():
@@ -444,7 +541,7 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
     trainable = [p for p in run.draft.parameters() if p.requires_grad]
     window: list[TTTResult] = []
     window_tokens, window_start = 0, time.perf_counter()
-    run.draft.train()
+    run.unwrapped.train()
     step_batches = run.source.step_batches(run.batches, steps)
     spent, has_eval = clock.spent(), bool(run.eval_samples or run.eval_data_samples)
     for step, micro_batches in zip(progress, step_batches, strict=True):
@@ -470,7 +567,7 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
         if logged:
             window_seconds = time.perf_counter() - window_start
             window_steps = len(window) // tc.grad_accumulation
-            result.train = ttt_metrics(window, tc.ttt_length) | {
+            result.train = run.metrics(window) | {
                 "lr": lr,
                 "grad_norm": float(grad_norm),
                 "tokens_per_s": window_tokens * run.ranks.world_size / window_seconds,

@@ -80,9 +80,7 @@ class SpeculativeDecoder:
         """
         Args:
             target_model: the HF target (eval mode).
-            draft_model: an EAGLE-3 draft (e.g. from :func:`load_exported_draft`) or a DFlash
-                draft (a block a round, at a fixed depth), in any dtype: its logits are read in
-                float32, and only its proposals depend on its precision.
+            draft_model: an EAGLE-3 or DFlash draft, any dtype (only proposals depend on it).
             aux_layer_ids: the target layers the draft was trained on.
             num_steps: draft depth (tokens per chain), or ``"auto"``: each round the depth in
                 ``0 .. AUTO_MAX_DEPTH`` with the most expected tokens per second, decided token

@@ -28,6 +28,7 @@ from specforge.io import (
     read_safetensors,
     write_json_atomic,
 )
+from specforge.models.dflash import DFlashConfig, DFlashDraftModel
 from specforge.models.eagle3 import (
     FROZEN_WEIGHTS,
     Eagle3Config,
@@ -41,11 +42,11 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def draft_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The draft's state dict without the frozen embedding, contiguous, on CPU."""
+    """The draft's state dict without the target's tensors it holds (``frozen_weights``: the
+    embedding; a DFlash draft's ``lm_head`` too), contiguous, on CPU."""
+    frozen = getattr(model, "frozen_weights", FROZEN_WEIGHTS)
     return {
-        k: v.detach().cpu().contiguous()
-        for k, v in model.state_dict().items()
-        if k not in FROZEN_WEIGHTS
+        k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k not in frozen
     }
 
 
@@ -127,13 +128,17 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         raise UserError(f"{path}/trainer_state.json cannot be read ({err})") from None
 
 
-def load_draft(path: Path) -> Eagle3DraftModel:
-    """The draft saved in checkpoint ``path`` (its frozen embedding left for the caller)."""
+def load_draft(path: Path) -> Eagle3DraftModel | DFlashDraftModel:
+    """The draft saved in checkpoint ``path``, of the family its trainer state names (its
+    frozen target tensors left for the caller)."""
     path = Path(path)
-    read_trainer_state(path)
+    state = read_trainer_state(path)
     config_path = path / "draft_config.json"
-    config = Eagle3Config.from_dict(json.loads(config_path.read_text()), str(config_path))
-    model = Eagle3DraftModel(config)
+    values = json.loads(config_path.read_text())
+    if state.get("draft_type") == "dflash":
+        model = DFlashDraftModel(DFlashConfig.from_dict(values, str(config_path)))
+    else:
+        model = Eagle3DraftModel(Eagle3Config.from_dict(values, str(config_path)))
     load_draft_weights(model, read_safetensors(path / "draft.safetensors"), str(path))
     return model
 

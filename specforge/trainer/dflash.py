@@ -13,10 +13,15 @@ training):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+
+from specforge.data.batching import Batch
+from specforge.models.dflash import DFlashDraftModel
 
 
 def sample_anchors(
@@ -75,6 +80,31 @@ def block_targets(
     return labels, counts
 
 
+def greedy_labels(
+    argmax: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels from the target's own greedy tokens, what greedy verification accepts: slot
+    ``k`` of a block anchored at ``a`` is labelled with the target's argmax at ``a + k - 1``.
+
+    Args:
+        argmax: (B, S) the target's next-token argmax per position, ``-1`` where none was
+            computed (positions not followed by an assistant token, padding).
+        anchors, keep: (B, N) from :func:`sample_anchors`.
+
+    Returns:
+        labels (B, N, Bk) and counts (B, N, Bk) bool: ``k >= 1``, inside the sequence, an
+        argmax there, a kept block.
+    """
+    length = argmax.shape[1]
+    # (B, N, 1) + (Bk,) - 1 -> (B, N, Bk): the position whose argmax labels slot k
+    source = anchors[..., None] + torch.arange(block_size, device=anchors.device) - 1
+    inside = (source >= 0) & (source < length)
+    labels = argmax.gather(1, source.clamp(0, length - 1).flatten(1)).view_as(source)
+    counts = inside & (labels >= 0) & keep[..., None]
+    counts[..., 0] = False  # the anchor is given, not predicted
+    return labels.clamp(min=0), counts
+
+
 def slot_weights(block_size: int, gamma: float | None, device=None) -> torch.Tensor:
     """(Bk,) the loss weight of each slot: ``exp(-(k - 1) / gamma)`` for ``k >= 1`` (1 with
     no ``gamma``), 0 for the anchor."""
@@ -90,16 +120,24 @@ class BlockLoss:
 
     loss: torch.Tensor
     """The weighted mean over the counted slots (a scalar with a graph)."""
-    slot_accuracy: list[float]
-    """Per slot ``1 .. Bk - 1``: the share of counted slots whose argmax is the label."""
-    accepted: list[int]
-    """Per kept block whose first slot counts: how many leading slots a greedy verification
+    slot_correct: list[int]
+    """Per slot ``1 .. Bk - 1``: counted slots whose argmax is the label."""
+    slot_counted: list[int]
+    """Per slot ``1 .. Bk - 1``: counted slots."""
+    accepted: int
+    """Over the kept blocks whose first slot counts: the leading slots a greedy verification
     would accept (argmax equal to the label, up to the first miss or uncounted slot)."""
+    blocks: int
+    """How many such blocks."""
+
+    @property
+    def slot_accuracy(self) -> list[float]:
+        return [c / max(n, 1) for c, n in zip(self.slot_correct, self.slot_counted, strict=True)]
 
     @property
     def tau(self) -> float:
         """The predicted accept length: 1 + the mean accepted count (the bonus counted)."""
-        return 1.0 + (sum(self.accepted) / len(self.accepted) if self.accepted else 0.0)
+        return 1.0 + self.accepted / max(self.blocks, 1)
 
 
 def block_loss(
@@ -113,11 +151,11 @@ def block_loss(
     """The block objective over ``logits`` (B, N, Bk, V).
 
     Args:
-        labels, counts: (B, N, Bk) from :func:`block_targets`.
+        labels, counts: (B, N, Bk) from :func:`block_targets` or :func:`greedy_labels`.
         gamma: the slot decay (:func:`slot_weights`); ``None``: every slot alike.
         target_probs: (B, N, Bk, V) the target's distribution over each slot's token (its
             softmax at the position before the label), for the soft cross-entropy; ``None``:
-            hard labels (on regenerated data, the target's own tokens).
+            hard labels.
     """
     block_size = logits.shape[2]
     log_q = logits.float().log_softmax(-1)
@@ -129,14 +167,12 @@ def block_loss(
     loss = (per_slot * weights).sum() / weights.sum().clamp(min=1e-6)
     with torch.no_grad():
         hits = (logits.argmax(-1) == labels) & counts
-        slot_accuracy = [
-            float(hits[..., k].sum()) / max(int(counts[..., k].sum()), 1)
-            for k in range(1, block_size)
-        ]
+        slot_correct = [int(hits[..., k].sum()) for k in range(1, block_size)]
+        slot_counted = [int(counts[..., k].sum()) for k in range(1, block_size)]
         # leading hits per block, over blocks whose first slot counts
         run = hits[..., 1:].long().cumprod(-1).sum(-1)
-        accepted = run[counts[..., 1]].tolist()
-    return BlockLoss(loss, slot_accuracy, accepted)
+        started = counts[..., 1]
+    return BlockLoss(loss, slot_correct, slot_counted, int(run[started].sum()), int(started.sum()))
 
 
 def soft_targets(
@@ -148,7 +184,107 @@ def soft_targets(
     positions = anchors[..., None] + torch.arange(block_size, device=anchors.device) - 1
     safe = positions.clamp(0, length - 1)
     batch, blocks = anchors.shape
-    rows = target_logits.gather(
-        1, safe.flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1])
-    )
+    index = safe.flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1])
+    rows = target_logits.gather(1, index)
     return F.softmax(rows.float(), -1).view(batch, blocks, block_size, -1)
+
+
+@dataclass
+class ArgmaxOnly:
+    """What a hidden-state source reads of a draft's vocabulary (``hot_ids``, ``t2d``), for an
+    objective that needs the target's argmax alone: every id is in the vocabulary, and one
+    id's probability (never read) is all that is computed beside the argmax."""
+
+    t2d: torch.Tensor
+    """(V,) all True."""
+    hot_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.long))
+
+    @classmethod
+    def of(cls, vocab_size: int, device) -> ArgmaxOnly:
+        return cls(
+            t2d=torch.ones(vocab_size, dtype=torch.bool, device=device),
+            hot_ids=torch.zeros(1, dtype=torch.long, device=device),
+        )
+
+
+class DFlashObjective(nn.Module):
+    """The DFlash draft and its block loss as one module (DDP sees the whole step in
+    ``forward``): training draws ``anchors`` random blocks per sequence (the global RNG, saved
+    with each checkpoint); evaluation scores every eligible block, ``anchors`` at a time."""
+
+    def __init__(self, draft: DFlashDraftModel, *, anchors: int, block_decay: float | None):
+        super().__init__()
+        self.draft, self.anchors, self.block_decay = draft, anchors, block_decay
+
+    def forward(self, batch: Batch, aux_hidden_states: torch.Tensor, target_dist) -> BlockLoss:
+        loss_mask = batch.loss_mask.bool() & batch.attention_mask.bool()
+        block_size = self.draft.config.block_size
+        if self.training:
+            anchors, keep = sample_anchors(loss_mask, self.anchors)
+            groups = [(anchors.to(loss_mask.device), keep.to(loss_mask.device))]
+        else:
+            groups = every_anchor(loss_mask, self.anchors)
+        results = []
+        for anchors, keep in groups:
+            logits = self.draft.train_blocks(aux_hidden_states, batch.input_ids, anchors, keep)
+            labels, counts = greedy_labels(target_dist.argmax, anchors, keep, block_size)
+            results.append(block_loss(logits, labels, counts, gamma=self.block_decay))
+        return merged(results)
+
+
+def every_anchor(loss_mask: torch.Tensor, chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every eligible anchor of a one-sequence batch (as :func:`sample_anchors` chooses among
+    them), ``chunk`` at a time: an evaluation's blocks, deterministic."""
+    eligible = torch.zeros_like(loss_mask)
+    eligible[:, 1:-1] = loss_mask[:, 2:]
+    positions = eligible[0].nonzero()[:, 0]
+    if not len(positions):
+        positions = torch.zeros(1, dtype=torch.long, device=loss_mask.device)
+        return [(positions[None], torch.zeros(1, 1, dtype=torch.bool, device=loss_mask.device))]
+    return [
+        (group[None], torch.ones(1, len(group), dtype=torch.bool, device=loss_mask.device))
+        for group in positions.split(chunk)
+    ]
+
+
+def merged(results: list[BlockLoss]) -> BlockLoss:
+    """One result of several (the loss a mean weighted by counted slots)."""
+    if len(results) == 1:
+        return results[0]
+    counted = [sum(r.slot_counted) for r in results]
+    total = max(sum(counted), 1)
+    return BlockLoss(
+        sum(r.loss * n / total for r, n in zip(results, counted, strict=True)),
+        [sum(v) for v in zip(*(r.slot_correct for r in results), strict=True)],
+        [sum(v) for v in zip(*(r.slot_counted for r in results), strict=True)],
+        sum(r.accepted for r in results),
+        sum(r.blocks for r in results),
+    )
+
+
+def block_metrics(results: list[BlockLoss]) -> dict[str, float]:
+    """Loss, ``acc_k`` (slot ``k + 1``'s accuracy, as EAGLE's ``acc_k`` counts the ``k + 1``-th
+    proposal) and ``tau_pred`` over several results (summed across ranks when distributed)."""
+    slots = len(results[0].slot_correct)
+    counts = torch.tensor(
+        [
+            [float(sum(r.slot_correct[k] for r in results)) for k in range(slots)],
+            [float(sum(r.slot_counted[k] for r in results)) for k in range(slots)],
+        ]
+    )
+    totals = torch.tensor(
+        [
+            sum(float(r.loss) for r in results),
+            float(len(results)),
+            float(sum(r.accepted for r in results)),
+            float(sum(r.blocks for r in results)),
+        ]
+    )
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+        dist.all_reduce(totals)
+    metrics = {"loss": float(totals[0] / totals[1].clamp(min=1))}
+    for k in range(slots):
+        metrics[f"acc_{k}"] = float(counts[0, k] / counts[1, k].clamp(min=1))
+    metrics["tau_pred"] = 1.0 + float(totals[2] / totals[3].clamp(min=1))
+    return metrics

@@ -9,6 +9,7 @@ import torch
 from specforge.trainer.dflash import (
     block_loss,
     block_targets,
+    greedy_labels,
     sample_anchors,
     slot_weights,
     soft_targets,
@@ -67,7 +68,7 @@ def test_accepted_counts_stop_at_the_first_miss_and_give_tau():
         for slot, token in enumerate(predicted):
             logits[0, block, slot, token] = 10.0
     result = block_loss(logits, labels, counts, gamma=None)
-    assert result.accepted == [2, 1]  # block 0 misses slot 3; block 1 misses slot 2
+    assert (result.accepted, result.blocks) == (3, 2)  # block 0 misses slot 3, block 1 slot 2
     assert result.tau == 1 + 1.5
     assert result.slot_accuracy == [1.0, 0.5, 0.5]
 
@@ -85,3 +86,16 @@ def test_soft_targets_are_the_targets_softmax_before_each_label():
     hard = block_loss(logits, labels, counts, gamma=4.0)
     soft = block_loss(logits, labels, counts, gamma=4.0, target_probs=one_hot)
     torch.testing.assert_close(hard.loss, soft.loss)
+
+
+def test_greedy_labels_are_the_target_s_argmax_before_each_slot():
+    # the target's argmax at each position (-1: not computed, no assistant token follows)
+    argmax = torch.tensor([[11, 12, 13, 14, -1, 16, 17]])
+    anchors, keep = torch.tensor([[1, 4]]), torch.tensor([[True, True]])
+    labels, counts = greedy_labels(argmax, anchors, keep, block_size=4)
+    # slot k of the block at 1 is labelled with the argmax at 1 + k - 1
+    assert labels[0, 0, 1:].tolist() == [12, 13, 14]
+    assert counts[0, 0].tolist() == [False, True, True, True]
+    # the block at 4: slot 1 reads position 4 (none), slots 2-3 positions 5-6, nothing past 6
+    assert counts[0, 1].tolist() == [False, False, True, True]
+    assert labels[0, 1, 2:].tolist() == [16, 17]
