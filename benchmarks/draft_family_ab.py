@@ -1,0 +1,134 @@
+"""Draft families at equal time: an EAGLE-3 draft and a DFlash draft trained for the same
+minutes on one conversations file with the quickstart's recipe, each exported and benched on
+the same questions (greedy, float32 target): held-out ``tau_pred``, MT-Bench accept length,
+speedup over the compiled target alone, prompt lookup beside, every output checked.
+
+    python benchmarks/draft_family_ab.py --data outputs/ab/data/conversations.jsonl \\
+        --minutes 10 --questions question.jsonl --limit 10 --output outputs/ab \\
+        --result docs/results/draft_family_ab_cpu.json
+
+Each step runs the project's own CLI (``specforge train``, ``export``, ``bench``) in a
+subprocess and is skipped on a rerun when its output is there (a trained run's checkpoint, an
+export, a ``bench.json``). A DFlash draft is benched at its block (``block_size - 1`` tokens a
+round), an EAGLE-3 draft at chain ``--eagle-steps``. Run it alone (2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from specforge.results import write_result
+
+RECIPE = "configs/smollm2-135m-eagle3.yaml"
+
+
+def specforge(*arguments: str) -> None:
+    """Run ``specforge ARGUMENTS`` with this interpreter; stop on a failure."""
+    command = [sys.executable, "-m", "specforge.cli", *arguments]
+    print("$", " ".join(command[2:]), flush=True)
+    subprocess.run(command, check=True)
+
+
+def run_family(family: str, args) -> dict:
+    """Train, export and bench one family; returns its row."""
+    out = Path(args.output) / family
+    common = ["--config", RECIPE, f"output_dir={out}"]
+    if not (out / "checkpoints").is_dir():
+        specforge(
+            "train",
+            *common,
+            f"train.data_path={args.data}",
+            f"train.max_minutes={args.minutes}",
+            f"draft.type={family}",
+            *args.overrides,
+        )
+    export = out / "export"
+    if not (export / "config.json").is_file():
+        specforge("export", *common, f"export.output={export}")
+    steps = (
+        json.loads((export / "config.json").read_text())["dflash_config"]["block_size"] - 1
+        if family == "dflash"
+        else args.eagle_steps
+    )
+    bench = Path(args.output) / f"bench_{family}"
+    if not (bench / "bench.json").is_file():
+        specforge(
+            "bench",
+            *common,
+            f"bench.draft={export}",
+            f"bench.questions={args.questions}",
+            f"bench.limit={args.limit}",
+            f"bench.max_new_tokens={args.max_new_tokens}",
+            f"bench.num_steps={steps}",
+            f"bench.output={bench}",
+        )
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in metrics if m.get("split") == "eval"]
+    trained = [m for m in metrics if m.get("split") == "train"]
+    report = json.loads((bench / "bench.json").read_text())
+    return {
+        "family": family,
+        "steps": trained[-1]["step"],
+        "held_out_tau_pred": round(evals[-1]["tau_pred"], 3),
+        "bench_num_steps": steps,
+        "tau": round(report["tau"], 3),
+        "speedup": round(report["speedup"], 3),
+        "speedup_prompt_lookup": report["speedup_prompt_lookup"],
+        "tau_prompt_lookup": report["tau_prompt_lookup"],
+        "acceptance_per_position": [round(r, 3) for r in report["acceptance_per_position"]],
+        "all_match": report["all_match"],
+        "turns": report["turns"],
+        "engine": report["engine"]["path"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", required=True, help="a prepared conversations file")
+    parser.add_argument("--minutes", type=float, default=10.0, help="training minutes a family")
+    parser.add_argument("--questions", required=True)
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--eagle-steps", type=int, default=5)
+    parser.add_argument("--families", nargs="+", default=["eagle3", "dflash"])
+    parser.add_argument("--output", default="outputs/ab", help="the runs' folder")
+    parser.add_argument("--result", default=None, help="the JSON (default OUTPUT/ab.json)")
+    parser.add_argument("overrides", nargs="*", help="training overrides for every family")
+    args = parser.parse_args()
+    rows = [run_family(family, args) for family in args.families]
+    questions = f"{args.limit or 'all'} questions of {args.questions}"
+    write_result(
+        Path(args.result or Path(args.output) / "ab.json"),
+        {"settings": vars(args), "rows": rows},
+        title="Draft families at equal time (cpu)",
+        summary=(
+            f"EAGLE-3 and DFlash drafts trained {args.minutes:g} minutes each on "
+            f"{args.data} with the quickstart recipe, benched on {questions} "
+            f"({args.max_new_tokens} tokens, greedy, float32 target, the engine's path as "
+            "engine.compile auto chose it)."
+        ),
+        figures={
+            r["family"]: (
+                f"{r['steps']} steps, held-out tau_pred {r['held_out_tau_pred']}; bench "
+                f"{r['bench_num_steps']} a round: tau {r['tau']}, {r['speedup']}x the target "
+                f"alone (prompt lookup {r['speedup_prompt_lookup']}x), outputs identical "
+                f"{r['all_match']}"
+            )
+            for r in rows
+        },
+    )
+    print("\n| family | steps | held-out tau_pred | depth | tau | speedup | lookup | identical |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(
+            f"| {r['family']} | {r['steps']} | {r['held_out_tau_pred']} | {r['bench_num_steps']}"
+            f" | {r['tau']} | {r['speedup']}x | {r['speedup_prompt_lookup']}x | {r['all_match']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
