@@ -86,6 +86,12 @@ def run_family(family: str, args) -> dict:
     }
 
 
+def lookup(row: dict) -> str:
+    """Prompt lookup's speedup in a row, or that the bench did not run it."""
+    speedup = row["speedup_prompt_lookup"]
+    return "not run" if speedup is None else f"{speedup:.2f}x"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True, help="a prepared conversations file")
@@ -115,8 +121,7 @@ def main() -> None:
             r["family"]: (
                 f"{r['steps']} steps, held-out tau_pred {r['held_out_tau_pred']}; bench "
                 f"{r['bench_num_steps']} a round: tau {r['tau']}, {r['speedup']}x the target "
-                f"alone (prompt lookup {r['speedup_prompt_lookup']}x), outputs identical "
-                f"{r['all_match']}"
+                f"alone (prompt lookup {lookup(r)}), outputs identical {r['all_match']}"
             )
             for r in rows
         },
@@ -126,7 +131,7 @@ def main() -> None:
     for r in rows:
         print(
             f"| {r['family']} | {r['steps']} | {r['held_out_tau_pred']} | {r['bench_num_steps']}"
-            f" | {r['tau']} | {r['speedup']}x | {r['speedup_prompt_lookup']}x | {r['all_match']} |"
+            f" | {r['tau']} | {r['speedup']}x | {lookup(r)} | {r['all_match']} |"
         )
 
 
