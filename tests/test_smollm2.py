@@ -323,9 +323,12 @@ def test_synthesis_killed_mid_round_keeps_its_prompts_and_the_rerun_continues(tm
     from specforge.distill.synthesize import prompts_path
     from specforge.io import read_jsonl
 
+    # one attempt in flight at a time: attempt 0 is decided (and written) while the later ones
+    # still run, whatever lengths this CPU's sampling gives them (with 4 in flight, a long
+    # attempt 0 was decided last and every prompt was written at once)
     def args(out):
         return ["prepare", "--target", "smollm2-135m", "--output", str(out), "--synthesize", "12",
-                "regenerate.max_new_tokens=8", "synthesize.batch_size=4"]  # fmt: skip
+                "regenerate.max_new_tokens=8", "synthesize.batch_size=1"]  # fmt: skip
 
     killed = tmp_path / "killed.jsonl"
     path = prompts_path(killed)
