@@ -219,15 +219,11 @@ def _rope_legacy(rope_parameters: dict[str, Any]) -> tuple[float, dict[str, Any]
     return theta, scaling
 
 
-def export_config_dict(
-    config: Eagle3Config, *, aux_layer_ids: list[int], num_target_layers: int, dtype: str
-) -> dict[str, Any]:
-    """The ``config.json`` of an exported draft."""
+def layer_geometry(config) -> dict[str, Any]:
+    """The ``config.json`` keys every draft's layers share with the engines: widths, heads,
+    activation, norm epsilon, positions, the target's RoPE in both layouts, the vocabulary."""
     rope_theta, rope_scaling = _rope_legacy(config.rope_parameters)
-    exported: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
+    return {
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_attention_heads": config.num_attention_heads,
@@ -240,6 +236,18 @@ def export_config_dict(
         "rope_scaling": rope_scaling,
         "rope_parameters": dict(config.rope_parameters),
         "vocab_size": config.vocab_size,
+    }
+
+
+def export_config_dict(
+    config: Eagle3Config, *, aux_layer_ids: list[int], num_target_layers: int, dtype: str
+) -> dict[str, Any]:
+    """The ``config.json`` of an exported draft."""
+    exported: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        **layer_geometry(config),
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         "tie_word_embeddings": False,

@@ -30,9 +30,9 @@ from specforge.models.adapter import text_config
 from specforge.models.dflash import FROZEN_WEIGHTS, DFlashConfig, DFlashDraftModel
 from specforge.serving.export import (
     ExportError,
-    _rope_legacy,
     contract_problems,
     export_directory,
+    layer_geometry,
     rope_problems,
 )
 
@@ -76,23 +76,11 @@ def dflash_contract(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
 
 def dflash_config_dict(config: DFlashConfig, *, dtype: str) -> dict[str, Any]:
     """The ``config.json`` of an exported DFlash draft (see the module docstring)."""
-    rope_theta, rope_scaling = _rope_legacy(config.rope_parameters)
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
         "num_hidden_layers": config.num_hidden_layers,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rope_theta": rope_theta,
-        "rope_scaling": rope_scaling,
-        "rope_parameters": dict(config.rope_parameters),
-        "vocab_size": config.vocab_size,
+        **layer_geometry(config),
         "target_hidden_size": config.hidden_size,
         "tie_word_embeddings": False,
         "attention_bias": False,

@@ -24,6 +24,14 @@ from specforge.data.batching import Batch
 from specforge.models.dflash import DFlashDraftModel
 
 
+def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
+    """(B, S) bool: the positions a block may be anchored at, ``a >= 1`` (some context before
+    it) with an assistant token after it (``loss_mask[a + 1]``)."""
+    eligible = torch.zeros_like(loss_mask, dtype=torch.bool)
+    eligible[:, 1:-1] = loss_mask[:, 2:].bool()
+    return eligible
+
+
 def sample_anchors(
     loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +44,7 @@ def sample_anchors(
         sequence with fewer pads with position 0 and ``keep`` False).
     """
     batch, length = loss_mask.shape
-    eligible = torch.zeros_like(loss_mask, dtype=torch.bool)
-    eligible[:, 1 : length - 1] = loss_mask[:, 2:].bool()
+    eligible = eligible_anchors(loss_mask)
     counts = eligible.sum(1).clamp(max=num_anchors)
     blocks = max(int(counts.max()), 1)
     # random scores; ineligible positions sort last
@@ -235,9 +242,7 @@ class DFlashObjective(nn.Module):
 def every_anchor(loss_mask: torch.Tensor, chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every eligible anchor of a one-sequence batch (as :func:`sample_anchors` chooses among
     them), ``chunk`` at a time: an evaluation's blocks, deterministic."""
-    eligible = torch.zeros_like(loss_mask)
-    eligible[:, 1:-1] = loss_mask[:, 2:]
-    positions = eligible[0].nonzero()[:, 0]
+    positions = eligible_anchors(loss_mask)[0].nonzero()[:, 0]
     if not len(positions):
         positions = torch.zeros(1, dtype=torch.long, device=loss_mask.device)
         return [(positions[None], torch.zeros(1, 1, dtype=torch.bool, device=loss_mask.device))]
