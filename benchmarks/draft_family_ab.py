@@ -4,13 +4,15 @@ the same questions (greedy, float32 target): held-out ``tau_pred``, MT-Bench acc
 speedup over the compiled target alone, prompt lookup beside, every output checked.
 
     python benchmarks/draft_family_ab.py --data outputs/ab/data/conversations.jsonl \\
-        --minutes 10 --questions question.jsonl --limit 10 --output outputs/ab \\
+        --minutes 10 --questions question.jsonl --prompt-lookup 10 --output outputs/ab \\
         --result docs/results/draft_family_ab_cpu.json
 
 Each step runs the project's own CLI (``specforge train``, ``export``, ``bench``) in a
 subprocess and is skipped on a rerun when its output is there (a trained run's checkpoint, an
 export, a ``bench.json``). A DFlash draft is benched at its block (``block_size - 1`` tokens a
-round), an EAGLE-3 draft at chain ``--eagle-steps``. Run it alone (2 CPU cores).
+round), an EAGLE-3 draft at chain ``--eagle-steps``. Prompt lookup (``--prompt-lookup N``)
+proposes from the prompt, not from a draft, so it runs once, beside the first family's bench.
+Run it alone (2 CPU cores).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ def specforge(*arguments: str) -> None:
 
 
 def run_family(family: str, args) -> dict:
-    """Train, export and bench one family; returns its row."""
+    """Train, export and bench one family; returns its row. Prompt lookup runs beside the
+    first family's bench only."""
+    lookup_tokens = args.prompt_lookup if family == args.families[0] else 0
     out = Path(args.output) / family
     common = ["--config", RECIPE, f"output_dir={out}"]
     if not (out / "checkpoints").is_dir():
@@ -61,9 +65,10 @@ def run_family(family: str, args) -> dict:
             *common,
             f"bench.draft={export}",
             f"bench.questions={args.questions}",
-            f"bench.limit={args.limit}",
+            *([f"bench.limit={args.limit}"] if args.limit else []),
             f"bench.max_new_tokens={args.max_new_tokens}",
             f"bench.num_steps={steps}",
+            f"bench.prompt_lookup_num_tokens={lookup_tokens}",
             f"bench.output={bench}",
         )
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -100,6 +105,9 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--eagle-steps", type=int, default=5)
+    parser.add_argument(
+        "--prompt-lookup", type=int, default=0, help="prompt lookup's tokens a round (0: off)"
+    )
     parser.add_argument("--families", nargs="+", default=["eagle3", "dflash"])
     parser.add_argument("--output", default="outputs/ab", help="the runs' folder")
     parser.add_argument("--result", default=None, help="the JSON (default OUTPUT/ab.json)")
