@@ -5,7 +5,7 @@ each stage a subprocess with its own time limit, its log beside a summary JSON.
         --questions question.jsonl --data outputs/quickstart/conversations.jsonl \\
         --output outputs/cuda --quickstart-minutes 20
 
-Stages, in order of what a short lease should get first:
+Stages, in order of what a short run on a GPU should get first:
 
 0. ``engine``: ``benchmarks/engine_speedup.py`` on CUDA: the compiled engine's warm-up (cold
    and warm cache), the target alone through HF ``generate``, the engine eager and compiled (CUDA
@@ -34,7 +34,7 @@ Stages, in order of what a short lease should get first:
 
 A stage that fails or runs out of time is recorded and the next one runs. Stages without their
 input (no ``--draft`` for 0 and 1, no ``--data`` for 4) are skipped; ``--only`` names the stages
-to run when a lease is too short for all of them.
+to run when the GPU time at hand is too short for all of them.
 """
 
 from __future__ import annotations

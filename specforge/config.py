@@ -352,7 +352,7 @@ class SynthesizeConfig:
 
 @dataclass
 class VocabConfig:
-    """The draft vocabulary: the most frequent target tokens (DESIGN §3.4)."""
+    """The draft vocabulary: the most frequent target tokens (docs/design.md §3.4)."""
 
     draft_vocab_size: int = 32000
     """Rows of the draft's ``lm_head``; capped at the target's vocabulary size."""
@@ -453,7 +453,7 @@ class DraftConfig:
 
 @dataclass
 class TrainConfig:
-    """EAGLE-3 training with training-time test (DESIGN §3.3)."""
+    """EAGLE-3 training with training-time test (docs/design.md §3.3)."""
 
     data_path: str | None = None
     """Conversations JSONL to train on; defaults to what prepare writes

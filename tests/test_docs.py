@@ -81,6 +81,37 @@ def test_every_results_file_says_where_it_was_measured():
             assert (REPO / "docs" / "results" / record["image"]).is_file(), stem
 
 
+RESULT_LINK = re.compile(r"results(?:\.md#|/)([a-z0-9_]+)")
+"""A page's citation of a results entry: ``results.md#stem`` or ``results/stem.json``."""
+
+
+def test_every_results_entry_is_one_run_that_a_page_cites():
+    """One commit (no "-dirty", no prose), one command line, and a citation from the README or
+    a page of docs/ (its status table or the text that rests on it); every citation resolves."""
+    stems = {stem for stem, _ in load_results(REPO / "docs" / "results")}
+    for stem, record in load_results(REPO / "docs" / "results"):
+        assert re.fullmatch(r"[0-9a-f]{7,40}", record["commit"]), (stem, record["commit"])
+        command = record["command"]
+        assert "\n" not in command and "git checkout" not in command, stem
+        assert re.match(r"(python|specforge|torchrun|for \w+ in) ", command), (stem, command)
+    cited = set()
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        if page.name == "results.md":
+            continue
+        for stem in RESULT_LINK.findall(page.read_text()):
+            assert stem in stems, f"{page.name} cites {stem}, which docs/results/ lacks"
+            cited.add(stem)
+    assert sorted(stems - cited) == [], "results entries no page cites"
+
+
+def test_the_results_page_keeps_current_figures_apart_from_decisions():
+    page = (REPO / "docs" / "results.md").read_text()
+    assert len(page.splitlines()) < 400
+    figures, decisions = page.index("## Current figures"), page.index("## Decisions (A/B)")
+    assert figures < page.index('id="quickstart_cpu"') < decisions
+    assert decisions < page.index('id="eagle31_equal_time_cpu"')
+
+
 def test_a_benchmark_writes_its_page_keys_beside_its_figures(tmp_path):
     """``write_result``'s page keywords (``figures`` among them) reach the file with the
     provenance, and the file loads as a results record."""
@@ -103,13 +134,14 @@ def test_a_results_file_without_provenance_is_refused(tmp_path):
 
 
 def shell_commands(text: str) -> list[str]:
-    """The command lines of a page: each line of its fenced code blocks (continuations joined,
-    ``&&`` chains split), and each inline code span that starts with ``specforge``."""
+    """The command lines of a page: each line of its fenced code blocks (continuations joined)
+    and each inline code span that starts with ``specforge``, ``&&`` chains split."""
     commands = []
     for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             commands += [part.strip() for part in line.split("&&")]
-    commands += re.findall(r"(?<!`)`(specforge [^`]+)`(?!`)", text)
+    for span in re.findall(r"(?<!`)`(specforge [^`]+)`(?!`)", text):
+        commands += [part.strip() for part in span.split("&&")]
     return [c for c in commands if c.startswith(("specforge ", "torchrun "))]
 
 
@@ -291,10 +323,14 @@ def run_stage(command: str, overrides: list[str]) -> int:
 
 
 CHRONICLE = re.compile(
-    r"\bstop \d+\b|\bsessions?\b|\bthe issue'?s?\b|\bthis machine\b", flags=re.IGNORECASE
+    r"\bstop \d+\b|\bsessions?\b|\bthe issue'?s?\b|\bthis machine\b|\bleases?\b"
+    r"|\ba day earlier\b|\bthe runs? before (it|this)\b|\bsince moved\b|; fixed\)"
+    r"|\bnothing else running\b",
+    flags=re.IGNORECASE,
 )
 """Wording about how the project was made ("stop 40", "this session's Zen 4", "the issue's
-2.5"), which belongs in git history, not in the project."""
+2.5", "a day earlier", "(...; fixed)"), which belongs in git history, not in the project; a
+measurement's conditions belong in its results file's keys (``"alone": true``), not in prose."""
 
 
 def tracked_text_files() -> list[Path]:
@@ -329,3 +365,9 @@ def test_the_wording_check_bites():
     assert CHRONICLE.search("this session's Zen 4")
     assert CHRONICLE.search("The issue's 2.5 is not reached")
     assert not CHRONICLE.search("stops at its 6000 steps")
+    assert CHRONICLE.search("in the time the lease allowed it")
+    assert CHRONICLE.search("2910 steps a day earlier")
+    assert CHRONICLE.search("where the run before it made 1860")
+    assert CHRONICLE.search("(training failed at start-up; fixed)")
+    assert CHRONICLE.search("one after the other, nothing else running")
+    assert not CHRONICLE.search("a release of vLLM")

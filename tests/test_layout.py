@@ -1,4 +1,4 @@
-"""The package's structure, checked: the import layers of DESIGN.md (no import reaches up a
+"""The package's structure, checked: the import layers of docs/design.md §2 (no import reaches up a
 layer, none forms a cycle, lazy imports included) and the size of functions."""
 
 from __future__ import annotations

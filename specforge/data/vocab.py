@@ -1,4 +1,4 @@
-"""The draft vocabulary: the ``draft_vocab_size`` most frequent target tokens (DESIGN §3.4).
+"""The draft vocabulary: the ``draft_vocab_size`` most frequent target tokens (docs/design.md §3.4).
 
 Frequencies are counted over **assistant tokens only** (the loss mask), because those are what
 the draft predicts. The selection is deterministic: by count, ties broken by the smaller id; the
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 def hot_ids(d2t: torch.Tensor) -> torch.Tensor:
-    """(Vd,) the target ids of the draft vocabulary, ``arange(Vd) + d2t`` (DESIGN §3.4)."""
+    """(Vd,) the target ids of the draft vocabulary, ``arange(Vd) + d2t`` (docs/design.md §3.4)."""
     return torch.arange(d2t.numel(), dtype=torch.long, device=d2t.device) + d2t
 
 

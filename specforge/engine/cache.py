@@ -1,4 +1,4 @@
-"""A KV cache preallocated once and written by slot (DESIGN §7.1).
+"""A KV cache preallocated once and written by slot (docs/design.md §7).
 
 Each layer holds ``(rows, kv_heads, capacity, head_dim)`` key and value buffers. A forward writes
 its new tokens' keys and values at the slots the engine names on the cache
@@ -39,12 +39,12 @@ class SlotKVPool:
     the buffers the previous cache wrote (zeroed) when they are large enough, so a CUDA graph
     recorded over them replays for every later sequence instead of being recorded again at new
     addresses; larger ones are allocated only when a sequence needs more slots. Each take is a
-    new lease, and a cache whose buffers a newer cache took refuses to run
-    (:meth:`SlotKVCache.check_lease`): two live sequences never share slots."""
+    new claim, and a cache whose buffers a newer cache took refuses to run
+    (:meth:`SlotKVCache.check_claim`): two live sequences never share slots."""
 
     def __init__(self):
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.lease = 0
+        self.claim = 0
         self.generation = 0
         """Counts the buffers allocated: what was recorded over older ones is stale."""
 
@@ -155,12 +155,12 @@ class SlotKVCache(NamedSlotsCache):
         super().__init__([SlotKVLayer(capacity, self.pool, i) for i in range(num_layers)])
         self.capacity = capacity
         self.length = 0
-        self.lease: int | None = None
-        """The pool's lease this cache's buffers were taken under (at its first forward)."""
+        self.claim: int | None = None
+        """The pool's claim this cache's buffers were taken under (at its first forward)."""
 
     def next_slots(self, count: int, device: torch.device) -> tuple[torch.Tensor, int]:
         """Before a forward over ``count`` new tokens: their slots (the cache's next ones) and
-        the key span it reads, once the cache has room and its lease holds.
+        the key span it reads, once the cache has room and its claim holds.
 
         Raises:
             ValueError: more tokens than the cache has room for.
@@ -169,7 +169,7 @@ class SlotKVCache(NamedSlotsCache):
         end = self.length + count
         if end > self.capacity:
             raise ValueError(f"{end} tokens exceed the cache's capacity of {self.capacity}")
-        self.check_lease()
+        self.check_claim()
         return torch.arange(self.length, end, device=device), key_span(end, self.capacity)
 
     def append(self, key_states, value_states):
@@ -185,17 +185,17 @@ class SlotKVCache(NamedSlotsCache):
         """Whether a forward has taken the buffers (the first one does)."""
         return self.layers[0].is_initialized
 
-    def check_lease(self) -> None:
-        """Before a forward: a new cache takes a new lease of the pool's buffers; one whose
+    def check_claim(self) -> None:
+        """Before a forward: a new cache takes a new claim of the pool's buffers; one whose
         buffers a newer cache took raises.
 
         Raises:
             RuntimeError: a newer cache of the same pool has taken the buffers.
         """
-        if self.lease is None:
-            self.pool.lease += 1
-            self.lease = self.pool.lease
-        elif self.lease != self.pool.lease:
+        if self.claim is None:
+            self.pool.claim += 1
+            self.claim = self.pool.claim
+        elif self.claim != self.pool.claim:
             raise RuntimeError(
                 "this cache's buffers were taken by a newer cache of the same engine: one "
                 "sequence at a time per engine"
@@ -222,7 +222,7 @@ def gather_cache(cache, prefix: int, rows: list[int]) -> None:
     positions ``prefix + r`` for ``r`` in ``rows`` (increasing); the rest is dropped. Rows
     already in their slot stay; the others move into place, then the cache is cropped."""
     if isinstance(cache, SlotKVCache):
-        cache.check_lease()
+        cache.check_claim()
     moved = next((slot for slot, row in enumerate(rows) if row != slot), len(rows))
     end = prefix + len(rows)
     if moved < len(rows):

@@ -1,9 +1,9 @@
 """What the pipeline needs from any HF causal LM, found without assuming Llama's attribute names
-(DESIGN §3.1): the text config of a multimodal checkpoint, the decoder and its layers, the final
-norm as a module (and the per-channel scale it applies), the norm epsilon, the transform the
-model applies to its logits after ``lm_head``, the RoPE the draft runs with, and whether the
-runtime can serve its cache. Where a piece cannot be found, one :class:`UserError` names the
-architecture and the missing piece, before any work starts.
+(docs/design.md §3.1): the text config of a multimodal checkpoint, the decoder and its layers,
+the final norm as a module (and the per-channel scale it applies), the norm epsilon, the
+transform the model applies to its logits after ``lm_head``, the RoPE the draft runs with, and
+whether the runtime can serve its cache. Where a piece cannot be found, one :class:`UserError`
+names the architecture and the missing piece, before any work starts.
 """
 
 from __future__ import annotations

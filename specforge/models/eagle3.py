@@ -1,4 +1,5 @@
-"""The EAGLE-3 draft model (``LlamaForCausalLMEagle3`` semantics, DESIGN §3.2), top to bottom.
+"""The EAGLE-3 draft model (``LlamaForCausalLMEagle3`` semantics, docs/design.md §3.2), top to
+bottom.
 
     aux (B, T, 3*Ht) --fc--> hidden (B, T, H)          (step 0; later steps feed back own hidden)
     embeds = embed_tokens(next token)                  (frozen copy of the target's embedding)

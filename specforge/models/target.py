@@ -1,5 +1,5 @@
 """The target model: loading any HF causal LM (or the embedded default) and capturing the
-auxiliary hidden states the EAGLE-3 draft is trained on (DESIGN §3.1).
+auxiliary hidden states the EAGLE-3 draft is trained on (docs/design.md §3.1).
 
 Auxiliary layer ids follow the serving engines' convention: id ``i`` is the residual stream
 *after* decoder layer ``i``, which is ``outputs.hidden_states[i + 1]`` of an HF model called with

@@ -8,7 +8,7 @@ asked after the model's own first answer (the target's greedy answer, which ever
 reproduces when it is lossless), the template's default system prompt unless one is given.
 
 Reported: ``tau`` = emitted tokens / verifications, token-weighted over all turns, excluding the
-token that comes from the prefill (DESIGN §3.6); ``tau_sglang`` = completion tokens /
+token that comes from the prefill (docs/design.md §3.6); ``tau_sglang`` = completion tokens /
 verifications (SGLang's ``completion_tokens / spec_verify_ct``, prefill token included); both
 overall and per category; acceptance rate per draft position; the accepted-length histogram;
 tokens/s of every method and the speedups over the target alone; whether every output matched

@@ -1,5 +1,5 @@
 """Export a trained draft as the directory SGLang (``--speculative-algorithm EAGLE3
---speculative-draft-model-path DIR``) and vLLM load (DESIGN §3.5), checked strictly first.
+--speculative-draft-model-path DIR``) and vLLM load (docs/design.md §3.5), checked strictly first.
 
 Both engines are lenient in dangerous ways: SGLang silently drops weight names it does not know
 and leaves missing parameters uninitialized; a ``tie_word_embeddings: true`` makes it use the

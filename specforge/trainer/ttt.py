@@ -1,4 +1,4 @@
-"""The training-time-test (TTT) loss of EAGLE-3 (DESIGN §3.3): a pure function of tensors.
+"""The training-time-test (TTT) loss of EAGLE-3 (docs/design.md §3.3): a pure function of tensors.
 
 Indexing, for target tokens ``x_0 .. x_{T-1}``: at step ``k`` the draft position ``t`` receives
 token ``x_{t+1+k}`` (input ids shifted left by ``1 + k``) and, at ``k = 0``, the fused target

@@ -77,9 +77,10 @@ EAGLE31 = {"fc_norm": True, "norm_output": True}
 @pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
 @pytest.mark.parametrize("ttt_length", [1, 4, 7])
 def test_ttt_equals_incremental_serving_for_every_step(ttt_length, variant):
-    """DESIGN §3.3: TTT's step-k logits at position t equal serving's k-th chained step after a
-    draft prefill over features 0..t (KV cache), for every k < ttt_length and every t; for the
-    EAGLE-3 draft and for EAGLE 3.1's (per-aux norms before fc, the post-norm state fed back)."""
+    """docs/design.md §3.3: TTT's step-k logits at position t equal serving's k-th chained step
+    after a draft prefill over features 0..t (KV cache), for every k < ttt_length and every t;
+    for the EAGLE-3 draft and for EAGLE 3.1's (per-aux norms before fc, the post-norm state fed
+    back)."""
     torch.manual_seed(0)
     _, draft = tiny_draft(seed=1, **(EAGLE31 if variant == "eagle3.1" else {}))
     length = 16

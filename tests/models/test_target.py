@@ -31,7 +31,7 @@ def test_check_aux_layer_ids_rejects_out_of_range():
 
 @pytest.mark.parametrize("aux_layer_ids", [[1, 3, 4], [0, 2, 5], [5, 1, 3]])
 def test_capture_equals_hf_hidden_states_at_id_plus_one(aux_layer_ids):
-    """DESIGN §3.1: aux id i == HF output_hidden_states[i + 1]; last == post-norm output."""
+    """docs/design.md §3.1: aux id i == HF output_hidden_states[i + 1]; last == post-norm output."""
     model = make_tiny_llama(96, num_layers=8, seed=1).float()
     torch.manual_seed(0)
     input_ids = torch.randint(0, 96, (2, 11))
