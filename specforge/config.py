@@ -650,14 +650,30 @@ class BenchConfig:
 
     draft: str | None = None
     """An export directory (``specforge export``); defaults to ``<output_dir>/export``."""
-    engine: Literal["builtin", "sglang"] = "builtin"
-    """``builtin``: our runtime vs the target alone; ``sglang``: a running SGLang server."""
+    engine: Literal["builtin", "sglang", "vllm"] = "builtin"
+    """``builtin``: our runtime vs the target alone; ``sglang``: a running SGLang server;
+    ``vllm``: vLLM serving the draft, against vLLM without it (a running server at ``url``,
+    or servers launched with ``vllm_python``)."""
     url: str | None = None
-    """SGLang server URL for ``engine: sglang``, e.g. ``http://127.0.0.1:30000``."""
+    """A running server's URL for ``engine: sglang`` or ``vllm``, e.g.
+    ``http://127.0.0.1:30000``."""
+    baseline_url: str | None = None
+    """``engine: vllm`` with ``url``: a running vLLM server of the same target without
+    speculation, the speedup's baseline (none: accept length only)."""
+    vllm_python: str | None = None
+    """``engine: vllm`` without ``url``: the Python interpreter of an environment where vLLM is
+    installed (e.g. ``~/vllm-venv/bin/python``); the bench launches vLLM's server with it twice,
+    with the draft and without, on loopback, and stops each when its half ends."""
+    vllm_args: list[str] = field(default_factory=list)
+    """Extra flags for the launched vLLM servers (after ``--dtype float32 --max-model-len 4096
+    --enforce-eager --seed 0``)."""
+    vllm_start_timeout_s: float = 900.0
+    """How long a launched vLLM server may take to answer ``/health``."""
     questions: str = "builtin-eval"
-    """FastChat ``question.jsonl``, an HF dataset name (``HuggingFaceH4/mt_bench_prompts``), a
-    conversations file, ``builtin-eval`` (the held-out built-in prompts), or ``auto`` (MT-Bench
-    from the HF hub when reachable, else ``builtin-eval``)."""
+    """FastChat ``question.jsonl``, a conversations file, ``builtin-eval`` (the held-out built-in
+    prompts), ``auto`` (MT-Bench from the HF hub when reachable, else ``builtin-eval``), a set by
+    name (``mt_bench``, ``gsm8k``, ``humaneval``, ``math500``), an HF dataset with a train split,
+    or a comma-separated suite of these (one table per set)."""
     num_steps: int | Literal["auto"] = 5
     """Draft depth: tokens per chain, or levels of a tree; ``auto`` (chains) picks the depth
     before each round from this device's measured costs and the running acceptance per
@@ -697,7 +713,7 @@ class BenchConfig:
     system_prompt: str | None = None
     """A system message for every question; default: the chat template's own."""
     limit: int | None = None
-    """Benchmark only the first ``limit`` questions."""
+    """Benchmark only the first ``limit`` questions (of each set of a suite)."""
     prompt_lookup_num_tokens: int = 10
     """Tokens proposed per step by the prompt-lookup baseline (n-gram drafting, verified through
     the same engine as the target alone); 0 skips that baseline (a third of the benchmark's
@@ -724,6 +740,8 @@ class BenchConfig:
             )
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"bench.limit must be >= 1 or null, got {self.limit}")
+        if self.engine == "vllm" and self.num_steps == "auto":
+            raise ConfigError("bench.engine vllm serves a fixed depth: set bench.num_steps")
         if not 0 <= self.auto_lookup <= AUTO_MAX_LOOKUP:
             raise ConfigError(
                 f"bench.auto_lookup must be in 0..{AUTO_MAX_LOOKUP}, got {self.auto_lookup}"

@@ -6,7 +6,13 @@
 - any conversations file (its user turns; category ``conversations``);
 - ``builtin-eval``: the held-out split of the built-in prompts (never trained on), for offline
   machines without MT-Bench;
-- ``auto``: MT-Bench from the HF hub when it is reachable, else ``builtin-eval``.
+- ``auto``: MT-Bench from the HF hub when it is reachable, else ``builtin-eval``;
+- a set by name (:data:`EVAL_SETS`: ``mt_bench``, ``gsm8k``, ``humaneval``, ``math500``),
+  read through ``datasets`` with its own config and split, from the hub or its cache; a local
+  JSONL copy of any of them reads by the same fields (GSM8K's ``question``, HumanEval's
+  ``prompt`` and ``task_id``, MATH-500's ``problem`` and ``unique_id``);
+- a suite: several of the above separated by commas (``mt_bench,gsm8k``), each question
+  tagged with its set so a report can keep one table per set.
 
 Multi-turn questions are asked as EAGLE and SpecForge ask MT-Bench: turn ``j`` follows the
 model's own answers to turns ``< j`` (:func:`ask_turns`).
@@ -34,6 +40,30 @@ AUTO = "auto"
 MT_BENCH_HF = "HuggingFaceH4/mt_bench_prompts"
 HUB_HOST = ("huggingface.co", 443)
 HUB_PROBE_SECONDS = 3.0
+TURN_FIELDS = ("turns", "prompt", "question", "problem")
+"""Where a question record keeps its user turn(s): FastChat's MT-Bench, HF's MT-Bench prompts
+and HumanEval, GSM8K, MATH-500."""
+ID_FIELDS = ("question_id", "prompt_id", "id", "task_id", "unique_id")
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """A benchmark question set on the HF hub: the dataset, its config and split, and the
+    category its questions get when a record names none."""
+
+    dataset: str
+    config: str | None
+    split: str
+    category: str
+
+
+EVAL_SETS = {
+    "mt_bench": EvalSet(MT_BENCH_HF, None, "train", "mt_bench"),
+    "gsm8k": EvalSet("openai/gsm8k", "main", "test", "gsm8k"),
+    "humaneval": EvalSet("openai/openai_humaneval", None, "test", "humaneval"),
+    "math500": EvalSet("HuggingFaceH4/MATH-500", None, "test", "math500"),
+}
+"""The sets ``bench --questions NAME`` reads by name (SpecForge's default benchmarks)."""
 
 
 @dataclass
@@ -41,16 +71,18 @@ class BenchQuestion:
     id: str
     category: str
     turns: list[str]
+    set: str = ""
+    """The question set it came from (one of a suite's parts)."""
 
 
-def _from_record(record: dict, index: int) -> BenchQuestion | None:
-    turns = record.get("turns") or record.get("prompt")
+def _from_record(record: dict, index: int, category: str = "default") -> BenchQuestion | None:
+    turns = next((record[k] for k in TURN_FIELDS if record.get(k)), None)
     if isinstance(turns, str):
         turns = [turns]
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
         return None
-    qid = next((record[k] for k in ("question_id", "prompt_id", "id") if k in record), index)
-    return BenchQuestion(str(qid), str(record.get("category", "default")), turns)
+    qid = next((record[k] for k in ID_FIELDS if k in record), index)
+    return BenchQuestion(str(qid), str(record.get("category", category)), turns)
 
 
 def _from_file(path: Path) -> list[BenchQuestion]:
@@ -67,7 +99,8 @@ def _from_file(path: Path) -> list[BenchQuestion]:
             user = [m["content"] for m in messages if m["role"] == "user"]
             question = BenchQuestion(record_id or str(number), "conversations", user)
         if question is None:
-            raise UserError(f"{path}: line {number}: no 'turns', 'prompt' or 'messages' field")
+            fields = ", ".join(f"'{k}'" for k in (*TURN_FIELDS, "messages"))
+            raise UserError(f"{path}: line {number}: none of the fields {fields} holds a question")
         questions.append(question)
     return questions
 
@@ -99,8 +132,24 @@ def resolve_question_set(source: str) -> str:
     return BUILTIN_EVAL
 
 
+def question_sets(source: str) -> list[str]:
+    """The parts of a ``--questions`` value: one source, or a comma-separated suite.
+
+    Raises:
+        UserError: an empty part (``"mt_bench,"``) or a set named twice.
+    """
+    parts = [part.strip() for part in source.split(",")]
+    if not all(parts):
+        raise UserError(f"questions {source!r}: an empty name in the list")
+    if len(set(parts)) < len(parts):
+        raise UserError(f"questions {source!r}: a set named twice")
+    return parts
+
+
 def load_questions(source: str, *, limit: int | None = None) -> list[BenchQuestion]:
-    """Read benchmark questions from a path, an HF dataset name, ``builtin-eval`` or ``auto``.
+    """Read benchmark questions from a path, a set's name (:data:`EVAL_SETS`), an HF dataset
+    name, ``builtin-eval``, ``auto``, or a comma-separated suite of these (``limit`` questions
+    of each); every question records its set.
 
     Raises:
         UserError: an unreadable line (named), a source with no usable question, or a
@@ -108,29 +157,47 @@ def load_questions(source: str, *, limit: int | None = None) -> list[BenchQuesti
     """
     if limit is not None and limit < 1:
         raise UserError(f"limit must be >= 1, got {limit}")
-    source = resolve_question_set(source)
+    questions = []
+    for part in question_sets(source):
+        name = resolve_question_set(part)
+        found = _load_one(name)
+        if not found:
+            raise UserError(f"{name}: no benchmark question found")
+        for question in found[:limit] if limit is not None else found:
+            question.set = name
+            questions.append(question)
+    return questions
+
+
+def _load_one(source: str) -> list[BenchQuestion]:
+    """The questions of one source (not a suite, ``auto`` resolved)."""
     if source == BUILTIN_EVAL:
-        questions = [
+        return [
             BenchQuestion(r["id"], r["category"], r["turns"])
             for r in builtin_prompt_records()
             if is_eval_prompt(r["id"])
         ]
-    elif Path(source).is_file():
-        questions = _from_file(Path(source))
-    elif Path(source).exists():
+    if Path(source).is_file():
+        return _from_file(Path(source))
+    if Path(source).exists():
         raise UserError(f"{source}: not a question file")
-    else:
-        require_local(source, "question set")
-        import datasets
+    require_local(source, "question set")
+    named = EVAL_SETS.get(source, EvalSet(source, None, "train", "default"))
+    import datasets
 
-        try:
-            dataset = datasets.load_dataset(source, split="train")
-        except Exception as err:  # datasets raises many types; keep the cause attached
-            raise UserError(f"cannot read benchmark questions from {source!r}: {err}") from err
-        questions = [q for i, r in enumerate(dataset) if (q := _from_record(r, i)) is not None]
-    if not questions:
-        raise UserError(f"{source}: no benchmark question found")
-    return questions[:limit] if limit is not None else questions
+    try:
+        dataset = datasets.load_dataset(named.dataset, named.config, split=named.split)
+    except Exception as err:  # datasets raises many types; keep the cause attached
+        known = ", ".join(EVAL_SETS)
+        raise UserError(
+            f"cannot read benchmark questions from {source!r} (sets by name: {known}; or a "
+            f"question file, an HF dataset with a train split): {err}"
+        ) from err
+    return [
+        question
+        for index, record in enumerate(dataset)
+        if (question := _from_record(record, index, named.category)) is not None
+    ]
 
 
 def ask_turns(

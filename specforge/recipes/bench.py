@@ -154,6 +154,10 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
     questions_source = resolve_question_set(bc.questions)
     if bc.engine == "sglang":
         return _bench_sglang(cfg, questions_source)
+    if bc.engine == "vllm":
+        from specforge.recipes.bench_vllm import bench_vllm
+
+        return bench_vllm(cfg, questions_source)
     if not (cfg.bench_draft / "config.json").is_file():
         raise UserError(f"{cfg.bench_draft} is not an export directory: run specforge export")
     questions = load_questions(questions_source, limit=bc.limit)
@@ -171,6 +175,7 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
         def answer(turn, messages, question=question):
             ids = torch.tensor([prompt_ids(tokenizer, messages)], device=device)
             info = {"question_id": question.id, "category": question.category, "turn": turn}
+            info["set"] = question.set
             reference = comparison.run(ids, tally, **info)
             return tokenizer.decode(reference, skip_special_tokens=True), None
 

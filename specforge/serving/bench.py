@@ -60,6 +60,8 @@ class BenchTally:
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(METHODS, 0))
     prompt_lookup_rounds: int = 0
     """Prompt lookup's verification rounds after the prefills (through the engine only)."""
+    set_stats: dict[str, SpecStats] = field(default_factory=dict)
+    """The runtime's statistics of each question set's turns (a suite's parts)."""
 
     def __post_init__(self) -> None:
         self.stats = SpecStats(num_steps=self.num_steps)
@@ -164,8 +166,11 @@ class MethodComparison:
     def run(self, ids: torch.Tensor, tally: BenchTally, **turn_info) -> list[int]:
         """Generate ``ids`` (1, T) with each method, add the turn to ``tally``; returns the
         target's own answer (what the conversation continues with)."""
+        seconds, tokens = dict(tally.seconds), dict(tally.tokens)
         reference, lookup = self.run_baselines(ids, tally)
         self.run_decoder(self.decoder, ids, reference, tally, lookup=lookup, **turn_info)
+        tally.turns[-1]["seconds"] = {m: tally.seconds[m] - seconds[m] for m in METHODS}
+        tally.turns[-1]["method_tokens"] = {m: tally.tokens[m] - tokens[m] for m in METHODS}
         return reference
 
     def run_baselines(self, ids: torch.Tensor, tally: BenchTally) -> tuple[list[int], list]:
@@ -211,6 +216,8 @@ class MethodComparison:
             )
         )
         tally.stats.merge(stats)
+        name = turn_info.get("set", "")
+        tally.set_stats.setdefault(name, SpecStats(num_steps=tally.num_steps)).merge(stats)
         tally.seconds["eagle3"] += spent
         tally.tokens["eagle3"] += len(spec)
         tally.turns.append(
@@ -237,6 +244,24 @@ def _tau(rows) -> dict[str, float]:
         "tau": sum(r["emitted"] for r in rows) / max(verifications, 1),
         "tau_sglang": sum(r["tokens"] for r in rows) / max(verifications, 1),
         "turns": len(rows),
+    }
+
+
+def _set_report(rows: list[dict[str, Any]], stats: SpecStats) -> dict[str, Any]:
+    """One question set's part of a suite: ``tau``, the speedups over its own turns (from each
+    turn's seconds and tokens per method), identical outputs and acceptance per position."""
+
+    def speed(method: str) -> float:
+        seconds = sum(r["seconds"][method] for r in rows)
+        return sum(r["method_tokens"][method] for r in rows) / max(seconds, 1e-9)
+
+    lookup = any(r["method_tokens"]["prompt_lookup"] for r in rows)
+    return {
+        **_tau(rows),
+        "speedup": speed("eagle3") / speed("target"),
+        "speedup_prompt_lookup": speed("prompt_lookup") / speed("target") if lookup else None,
+        "all_match": all(r["match"] for r in rows),
+        "acceptance_per_position": stats.acceptance_per_position,
     }
 
 
@@ -327,6 +352,11 @@ def bench_report(
         "calibration": calibration,
         "sglang_advice": measured_advice(tally.stats, settings),
         "per_category": {c: _tau([r for r in turns if r["category"] == c]) for c in categories},
+        "per_set": {
+            name: _set_report(rows, stats)
+            for name, stats in tally.set_stats.items()
+            if (rows := [r for r in turns if r.get("set", "") == name and "seconds" in r])
+        },
         "settings": settings,
         "turn_details": turns,
     }
@@ -351,6 +381,28 @@ def _lookup_words(result: dict[str, Any]) -> str:
     """Prompt lookup's speedup and, where it ran through the engine, its ``tau``."""
     speedup, tau = _times(result["speedup_prompt_lookup"]), result["tau_prompt_lookup"]
     return speedup if tau is None else f"{speedup} (tau {tau:.3f})"
+
+
+def _set_tables(per_set: dict[str, dict[str, Any]]) -> list[str]:
+    """``bench.md``'s table for each set of a suite."""
+    lines = []
+    for name, part in per_set.items():
+        lines += [
+            "",
+            f"## {name} ({part['turns']} turns)",
+            "",
+            "| metric | value |",
+            "|---|---|",
+            f"| tau | {part['tau']:.3f} |",
+            f"| speedup over the target alone | {part['speedup']:.2f}x |",
+            f"| prompt-lookup speedup | {_times(part['speedup_prompt_lookup'])} |",
+            f"| all outputs identical | {part['all_match']} |",
+            *[
+                f"| acceptance at draft position {i + 1} | {r:.3f} |"
+                for i, r in enumerate(part["acceptance_per_position"])
+            ],
+        ]
+    return lines
 
 
 def write_report(result: dict[str, Any], out: Path) -> None:
@@ -413,6 +465,8 @@ def write_report(result: dict[str, Any], out: Path) -> None:
             lines.append(
                 f"| (rounds that verified prompt lookup's tokens) | {result['lookup_rounds']} |"
             )
+    if len(result.get("per_set", {})) > 1:
+        lines += _set_tables(result["per_set"])
     if result.get("sglang_advice"):
         lines += ["", advice_markdown(result["sglang_advice"]).replace("# ", "## ", 1)]
     if result.get("calibration"):

@@ -7,9 +7,10 @@ from specforge.recipes.train import train
 from tests.helpers import tiny_train_config
 
 
-def _bench(tmp_path, peaked_target_dir, *options: str) -> Path:
+def _bench(tmp_path, peaked_target_dir, *options: str, suite: bool = False) -> Path:
     """Train a draft 3 steps on the peaked tiny target, export it and bench it on three turns
-    with ``options``; returns the bench folder."""
+    with ``options`` (``suite``: and on a second question file in the same run); returns the
+    bench folder."""
     folder, data = peaked_target_dir
     run = train(tiny_train_config(folder, data, tmp_path / "run", "train.max_steps=3"))
     export = tmp_path / "export"
@@ -22,7 +23,12 @@ def _bench(tmp_path, peaked_target_dir, *options: str) -> Path:
         + "\n"
     )
     out = tmp_path / "bench"
-    arguments = ["--target", str(folder), "--draft", str(export), "--questions", str(questions)]
+    asked = str(questions)
+    if suite:
+        second = tmp_path / "gsm8k.jsonl"
+        second.write_text(json.dumps({"question": "the thin end of the numbers"}) + "\n")
+        asked = f"{questions},{second}"
+    arguments = ["--target", str(folder), "--draft", str(export), "--questions", asked]
     assert main(["bench", *arguments, "--output", str(out), *options]) == 0
     return out
 
@@ -117,6 +123,27 @@ def test_bench_auto_depth_reports_its_calibration_and_chosen_depths(tmp_path, pe
     assert result["settings"]["auto_lookup"] == 10  # prompt lookup competes with the draft
     assert 0 <= result["lookup_rounds"] <= rounds
     assert f"(rounds that verified prompt lookup's tokens) | {result['lookup_rounds']} |" in report
+
+
+def test_a_suite_reports_each_set_apart(tmp_path, peaked_target_dir):
+    """``--questions A,B``: one run, the totals over every turn, and per set its turns,
+    ``tau``, speedup, identical outputs and acceptance per position, a table each in
+    bench.md."""
+    out = _bench(
+        tmp_path,
+        peaked_target_dir,
+        *("--num-steps", "2", "--max-new-tokens", "8", "--compile", "false"),
+        suite=True,
+    )
+    result = json.loads((out / "bench.json").read_text())
+    first, second = str(tmp_path / "question.jsonl"), str(tmp_path / "gsm8k.jsonl")
+    assert list(result["per_set"]) == [first, second] and result["turns"] == 4
+    assert [result["per_set"][s]["turns"] for s in (first, second)] == [3, 1]
+    for part in result["per_set"].values():
+        assert part["all_match"] is True and part["speedup"] > 0 and part["tau"] >= 1.0
+        assert len(part["acceptance_per_position"]) == 2
+    report = (out / "bench.md").read_text()
+    assert f"## {first} (3 turns)" in report and f"## {second} (1 turns)" in report
 
 
 def test_question_sources(tmp_path):

@@ -1,0 +1,158 @@
+"""``specforge bench --engine vllm``: the exported draft served by vLLM, against vLLM without it
+(:mod:`specforge.serving.vllm_client`), reported in ``bench.json`` / ``bench.md``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from specforge.config import SpecForgeConfig
+from specforge.data.questions import load_questions
+from specforge.errors import UserError
+from specforge.io import write_json_atomic, write_text_atomic
+from specforge.models.target import load_tokenizer, resolve_target_path, target_dtype
+from specforge.serving.export_dflash import is_dflash_export
+from specforge.serving.vllm_client import (
+    DEFAULT_FLAGS,
+    ask_all,
+    free_port,
+    launched_server,
+    read_counters,
+    served_model,
+    server_command,
+    server_version,
+    vllm_report,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def speculative_config(draft: Path, num_steps: int) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` for an export: ``eagle3``, or ``dflash`` for a DFlash
+    export, ``num_steps`` tokens a round."""
+    method = "dflash" if is_dflash_export(draft) else "eagle3"
+    return {"method": method, "model": str(draft), "num_speculative_tokens": num_steps}
+
+
+def bench_vllm(cfg: SpecForgeConfig, questions_source: str) -> dict[str, Any]:
+    """Serve ``cfg.bench_draft`` with vLLM and measure it; writes bench.json and bench.md.
+
+    Raises:
+        UserError: neither ``bench.url`` nor ``bench.vllm_python``, a missing export, or a
+            server that does not start or answer (its log named).
+    """
+    bc = cfg.bench
+    questions = load_questions(questions_source, limit=bc.limit)
+    tokenizer = load_tokenizer(cfg.target)
+    out = cfg.bench_dir
+    settings: dict[str, Any] = {
+        "engine": "vllm",
+        "questions": questions_source,
+        "num_steps": bc.num_steps,
+        "max_new_tokens": bc.max_new_tokens,
+        "limit": bc.limit,
+        "target": cfg.target.name_or_path,
+    }
+
+    def ask(url: str) -> list[dict[str, Any]]:
+        rows = ask_all(
+            url,
+            served_model(url),
+            tokenizer,
+            questions,
+            max_new_tokens=bc.max_new_tokens,
+            system_prompt=bc.system_prompt,
+        )
+        logger.info("vLLM at %s answered %d turns", url, len(rows))
+        return rows
+
+    if bc.url:
+        settings |= {"url": bc.url, "baseline_url": bc.baseline_url}
+        before = read_counters(bc.url)
+        spec = ask(bc.url)
+        counters = read_counters(bc.url).minus(before)
+        version = server_version(bc.url)
+        base = ask(bc.baseline_url) if bc.baseline_url else None
+    else:
+        spec, counters, base, version = _launched(cfg, settings, ask)
+    result = vllm_report(spec, base, counters, settings)
+    result["engine_version"] = version
+    _write(result, out)
+    return result
+
+
+def _launched(cfg: SpecForgeConfig, settings: dict[str, Any], ask):
+    """Launch vLLM with the draft, then without it, asking every turn of each."""
+    bc = cfg.bench
+    if not bc.vllm_python:
+        raise UserError(
+            "bench.engine vllm needs bench.url (a running server, --url) or bench.vllm_python "
+            "(the interpreter of an environment where vLLM is installed)"
+        )
+    if not (cfg.bench_draft / "config.json").is_file():
+        raise UserError(f"{cfg.bench_draft} is not an export directory: run specforge export")
+    target = resolve_target_path(cfg.target.name_or_path, target_dtype(cfg.target))
+    spec_flags = [
+        "--speculative-config",
+        json.dumps(speculative_config(cfg.bench_draft.resolve(), bc.num_steps)),
+        *bc.vllm_args,
+    ]
+    out = cfg.bench_dir
+    settings |= {
+        "vllm_python": bc.vllm_python,
+        "vllm_flags": [*DEFAULT_FLAGS, *spec_flags],
+        "baseline_flags": [*DEFAULT_FLAGS, *bc.vllm_args],
+    }
+    port = free_port()
+    command = server_command(bc.vllm_python, target, port, spec_flags)
+    with launched_server(
+        command, port, out / "vllm_speculative.log", timeout=bc.vllm_start_timeout_s
+    ) as url:
+        before = read_counters(url)
+        spec = ask(url)
+        counters = read_counters(url).minus(before)
+        version = server_version(url)
+    port = free_port()
+    command = server_command(bc.vllm_python, target, port, list(bc.vllm_args))
+    with launched_server(
+        command, port, out / "vllm_baseline.log", timeout=bc.vllm_start_timeout_s
+    ) as url:
+        base = ask(url)
+    return spec, counters, base, version
+
+
+def _write(result: dict[str, Any], out: Path) -> None:
+    write_json_atomic(out / "bench.json", result)
+    s = result["settings"]
+
+    def times(value):
+        return "(no baseline)" if value is None else f"{value:.2f}x"
+
+    tau = result["tau"]
+    lines = [
+        f"# vLLM {result['engine_version'] or ''}: {s['questions']} ({result['turns']} turns)",
+        "",
+        f"target `{s['target']}`, {s['num_steps']} speculative tokens a round, "
+        f"max_new_tokens={s['max_new_tokens']}, greedy, one request at a time; flags: "
+        f"`{' '.join(s.get('vllm_flags', []))}`",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| accept length (1 + accepted / drafts, vLLM's counters) | "
+        f"{'-' if tau is None else f'{tau:.3f}'} |",
+        f"| drafts; draft tokens; accepted | {result['drafts']:.0f}; "
+        f"{result['draft_tokens']:.0f}; {result['accepted_tokens']:.0f} |",
+        f"| speedup over vLLM without the draft | {times(result['speedup'])} |",
+        f"| tokens/s with / without | {result['tokens_per_s']['speculative']:.1f} / "
+        f"{result['tokens_per_s']['baseline'] or 0:.1f} |",
+        f"| time to first token with / without (s) | {result['ttft_s']['speculative']:.3f} / "
+        f"{result['ttft_s']['baseline'] or 0:.3f} |",
+        f"| outputs identical with and without | {result['all_match']} |",
+        "",
+        "| draft position | acceptance rate |",
+        "|---|---|",
+        *[f"| {i + 1} | {r:.3f} |" for i, r in enumerate(result["acceptance_per_position"])],
+    ]
+    write_text_atomic(out / "bench.md", "\n".join(lines) + "\n")
