@@ -1,4 +1,5 @@
-"""SGLang launch flags that fit a draft's measured acceptance per position.
+"""SGLang launch flags (and vLLM's speculative config) that fit a draft's measured acceptance
+per position.
 
 From the conditional acceptance ``c_k`` of draft position ``k`` (given positions ``< k`` were
 accepted; the training evaluation's ``cond_acc_k`` or what ``specforge bench`` measured), the
@@ -12,6 +13,8 @@ advice:
   deepest tier's (deeper chains cost draft steps and verification width for little more);
   ``--speculative-eagle-topk 1`` and ``--speculative-num-draft-tokens`` = steps + 1 (a chain;
   a tree is worth trying when the first position's acceptance is low, and the advice says so);
+- vLLM's ``--speculative-config`` at the same depth (``num_speculative_tokens`` = steps; vLLM
+  has no adaptive tiers);
 - whether the adaptive mode suits this draft: it switches among the tiers by the running accept
   length, which pays only when the chain's acceptance holds up to depth 7 (here: every
   conditional acceptance through 7 at least 0.5, so each deeper tier still adds tokens).
@@ -19,6 +22,7 @@ advice:
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from specforge.serving.adaptive import expected_tokens
@@ -77,6 +81,7 @@ def sglang_advice(acceptance: list[float], source: str) -> dict[str, Any]:
         "tiers": {str(d): v for d, v in tiers.items()},
         "num_steps": steps,
         "sglang_flags": flags,
+        "vllm_speculative_config": {"method": "eagle3", "num_speculative_tokens": steps},
         "adaptive_mode_suits": adaptive,
         "notes": notes,
     }
@@ -84,6 +89,7 @@ def sglang_advice(acceptance: list[float], source: str) -> dict[str, Any]:
 
 def advice_markdown(advice: dict[str, Any]) -> str:
     """The advice as a short Markdown page."""
+    vllm = {"method": "eagle3", "model": "EXPORT", **advice["vllm_speculative_config"]}
     lines = [
         "# SGLang launch advice",
         "",
@@ -91,6 +97,12 @@ def advice_markdown(advice: dict[str, Any]) -> str:
         "",
         "```",
         advice["sglang_flags"],
+        "```",
+        "",
+        "vLLM, the same depth (EXPORT: this directory):",
+        "",
+        "```",
+        f"--speculative-config '{json.dumps(vllm)}'",
         "```",
         "",
         "| SGLang tier (steps) | predicted accept length | extrapolated |",

@@ -247,6 +247,30 @@ def _tau(rows) -> dict[str, float]:
     }
 
 
+CONTEXT_EDGES = (256, 512, 1024, 2048, 4096, 8192)
+"""The bounds of ``accept_length_by_context``'s buckets (tokens of context a round starts at)."""
+
+
+def accept_length_by_context(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Accept length by the context a verification round starts at (its prompt and what the
+    turn generated before it), in buckets bounded by :data:`CONTEXT_EDGES`: whether acceptance
+    holds past the lengths the draft was trained on. A round's tokens are its accepted ones
+    and the target's own; the turn's first token comes from the prefill."""
+    edges = (0, *CONTEXT_EDGES, None)
+    buckets = [
+        {"from": a, "to": b, "rounds": 0, "tokens": 0}
+        for a, b in zip(edges[:-1], edges[1:], strict=True)
+    ]
+    for turn in turns:
+        position = turn["prompt_tokens"] + 1
+        for accepted in turn["accepted_per_round"]:
+            bucket = next(b for b in buckets if b["to"] is None or position < b["to"])
+            bucket["rounds"] += 1
+            bucket["tokens"] += accepted + 1
+            position += accepted + 1
+    return [{**b, "tau": b["tokens"] / b["rounds"]} for b in buckets if b["rounds"]]
+
+
 def _set_report(rows: list[dict[str, Any]], stats: SpecStats) -> dict[str, Any]:
     """One question set's part of a suite: ``tau``, the speedups over its own turns (from each
     turn's seconds and tokens per method), identical outputs and acceptance per position."""
@@ -352,6 +376,7 @@ def bench_report(
         "calibration": calibration,
         "sglang_advice": measured_advice(tally.stats, settings),
         "per_category": {c: _tau([r for r in turns if r["category"] == c]) for c in categories},
+        "accept_length_by_context": accept_length_by_context(turns),
         "per_set": {
             name: _set_report(rows, stats)
             for name, stats in tally.set_stats.items()
@@ -450,6 +475,13 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         "| draft position | acceptance rate |",
         "|---|---|",
         *[f"| {i + 1} | {r:.3f} |" for i, r in enumerate(result["acceptance_per_position"])],
+        "",
+        "| context tokens at the round | rounds | tau |",
+        "|---|---|---|",
+        *[
+            f"| {b['from']}-{b['to'] or ''} | {b['rounds']} | {b['tau']:.3f} |"
+            for b in result["accept_length_by_context"]
+        ],
         "",
         "| verified depth | rounds |",
         "|---|---|",

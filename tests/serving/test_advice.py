@@ -13,6 +13,8 @@ def test_a_draft_that_holds_up_gets_the_deep_tier_and_the_adaptive_mode():
     assert advice["num_steps"] == 7 and advice["adaptive_mode_suits"]
     assert "--speculative-num-steps 7" in advice["sglang_flags"]
     assert "--speculative-num-draft-tokens 8" in advice["sglang_flags"]
+    assert advice["vllm_speculative_config"] == {"method": "eagle3", "num_speculative_tokens": 7}
+    assert '"num_speculative_tokens": 7}' in advice_markdown(advice)
 
 
 def test_a_weak_draft_gets_a_short_chain_no_adaptive_mode_and_a_tree_hint():

@@ -4,6 +4,7 @@ from pathlib import Path
 from specforge.cli import main
 from specforge.data.questions import BUILTIN_EVAL, load_questions
 from specforge.recipes.train import train
+from specforge.serving.bench import accept_length_by_context
 from tests.helpers import tiny_train_config
 
 
@@ -165,3 +166,18 @@ def test_question_sources(tmp_path):
     )
     (question,) = load_questions(str(conversations))
     assert question.turns == ["a", "c"] and question.category == "conversations"
+
+
+def test_accept_length_by_context_follows_each_round_along_its_turn():
+    """A round starts where the prompt, the prefill's token and the earlier rounds end; its
+    tokens are its accepted ones and the bonus token."""
+    turns = [
+        {"prompt_tokens": 250, "accepted_per_round": [2, 0, 4]},  # rounds at 251, 254, 255
+        {"prompt_tokens": 600, "accepted_per_round": [1]},  # at 601
+    ]
+    assert accept_length_by_context(turns) == [
+        {"from": 0, "to": 256, "rounds": 3, "tokens": 9, "tau": 3.0},
+        {"from": 512, "to": 1024, "rounds": 1, "tokens": 2, "tau": 2.0},
+    ]
+    far = accept_length_by_context([{"prompt_tokens": 10_000, "accepted_per_round": [0]}])
+    assert far == [{"from": 8192, "to": None, "rounds": 1, "tokens": 1, "tau": 1.0}]
