@@ -93,15 +93,19 @@ class CostModel:
     def max_depth(self) -> int:
         return len(self.verify) - 1
 
-    def round_seconds(self, depth: int, siblings: int = 0, *, tree: bool = False) -> float:
+    def round_seconds(
+        self, depth: int, siblings: int = 0, *, tree: bool = False, drafted: bool = True
+    ) -> float:
         """``T(K)``: a round of depth ``K`` (with ``siblings`` more tokens verified beside its
         chain, as a ``tree`` or not). Its first draft token comes with the draft's extension
         over the last round's tokens (in ``other``, paid at every depth, 0 included), so
         drafting ``K`` tokens takes ``K - 1`` draft steps; siblings cost only their
-        verification (their logits came with the extension)."""
+        verification (their logits came with the extension). A chain that was not ``drafted``
+        (prompt lookup's) costs its verification and the round's other time only."""
         width = depth + siblings  # verify[n - 1] is n tokens: the last token, then these
         verify = self.verify[width] + (self.tree_extra if tree else 0.0)
-        return verify + max(depth - 1, 0) * self.draft_step + self.other
+        steps = max(depth - 1, 0) if drafted else 0
+        return verify + steps * self.draft_step + self.other
 
     def observe_verify(self, width: int, seconds: float, *, tree: bool = False) -> None:
         """A verification of ``width`` tokens measured during generation: the start-up
@@ -145,13 +149,16 @@ def expected_tokens(acceptance: list[float], depth: int) -> float:
     return total
 
 
-def round_rate(chain: list[float], siblings: list[float], costs: CostModel) -> float:
+def round_rate(
+    chain: list[float], siblings: list[float], costs: CostModel, *, drafted: bool = True
+) -> float:
     """Expected tokens per second of a round verifying a chain with acceptances ``chain`` (its
     depth ``K = len(chain)``) and ``len(siblings)`` more candidates for the first position with
     acceptances ``siblings`` (exclusive of the chain's first token and of each other: the
-    target has one token there): ``K + 1 + len(siblings)`` tokens verified."""
+    target has one token there): ``K + 1 + len(siblings)`` tokens verified; a chain not
+    ``drafted`` (prompt lookup's) runs no draft step."""
     depth = len(chain)
-    seconds = costs.round_seconds(depth, len(siblings), tree=bool(siblings))
+    seconds = costs.round_seconds(depth, len(siblings), tree=bool(siblings), drafted=drafted)
     return (expected_tokens(chain, depth) + sum(siblings)) / seconds
 
 
@@ -186,11 +193,12 @@ def best_siblings(candidates: list[float], chain: list[float], costs: CostModel)
     )
 
 
-def best_depth(acceptance: list[float], costs: CostModel) -> int:
+def best_depth(acceptance: list[float], costs: CostModel, *, drafted: bool = True) -> int:
     """The depth in ``0 .. len(acceptance)`` (within the widths calibrated) with the most
-    expected tokens per second (the shallower one on a tie)."""
+    expected tokens per second (the shallower one on a tie), for a chain the draft drafts or
+    one it does not (prompt lookup's: verification and the round's other time only)."""
     rates = [
-        expected_tokens(acceptance, depth) / costs.round_seconds(depth)
+        expected_tokens(acceptance, depth) / costs.round_seconds(depth, drafted=drafted)
         for depth in range(min(len(acceptance), costs.max_depth) + 1)
     ]
     return max(range(len(rates)), key=lambda depth: (rates[depth], -depth))

@@ -312,7 +312,7 @@ class AutoPolicy:
             return None
         guess = [self._calibration(1).acceptance(top_q), *self.estimate.rates()[1:]]
         drafted = max(round_rate(guess[:k], [], self.costs) for k in range(len(guess) + 1))
-        best, choice = round_rate(rates[:depth], [], self.costs), depth
+        best, choice = round_rate(rates[:depth], [], self.costs, drafted=False), depth
         if self.trees:
             firsts = [([top], guess[:1]), *self._sibling_chains(further)]
             rate, tokens, count = self._lookup_tree([], firsts, 0, rates, least=1)
@@ -333,7 +333,7 @@ class AutoPolicy:
         steps = len(fan.chain)
         best = tree_rate(drafted + others[: fan.siblings], steps, self.costs)
         choice: int | Fan = fan
-        alone = round_rate(rates[:depth], [], self.costs)
+        alone = round_rate(rates[:depth], [], self.costs, drafted=False)
         if alone > best:
             best, choice = alone, depth
         if self.trees and fan.chain:
@@ -363,7 +363,7 @@ class AutoPolicy:
         if self.lookup is None or self.lookup.proposal is None:
             return [], 0
         rates = self.lookup.estimate.rates()[: len(self.lookup.proposal)]
-        return rates, best_depth(rates, self.costs)
+        return rates, best_depth(rates, self.costs, drafted=False)
 
     def learn_siblings(self, ranked: list[tuple[int, float]], target_logits: torch.Tensor):
         """Every further candidate of the first position ``(target id, q)`` learns from the

@@ -58,6 +58,20 @@ def test_the_picker_chooses_no_drafting_when_the_draft_never_agrees_and_the_deep
     assert best_depth([0.1] * 7, costly_steps) == 1
 
 
+def test_a_prompt_lookup_round_is_priced_without_the_draft_steps_it_never_runs():
+    """Lookup proposes from the prompt: its round costs its verification and the round's other
+    time, so where draft steps are dear a lookup chain the draft could not afford still pays
+    (charged ``depth - 1`` draft steps, this chain was refused at 1 token)."""
+    costly_steps = CostModel(verify=[0.036] * 8, draft_step=0.010, other=0.002)
+    assert costly_steps.round_seconds(5, drafted=False) == costly_steps.verify[5] + 0.002
+    assert costly_steps.round_seconds(5) == pytest.approx(0.036 + 4 * 0.010 + 0.002)
+    assert best_depth([0.5] * 7, costly_steps) == 1
+    assert best_depth([0.5] * 7, costly_steps, drafted=False) == 7
+    assert round_rate([0.5] * 5, [], costly_steps, drafted=False) > round_rate(
+        [0.5] * 5, [], costly_steps
+    )
+
+
 def test_the_estimate_follows_what_it_observes_and_learns_one_depth_ahead():
     estimate = AcceptanceEstimate(max_depth=4)
     assert estimate.rates() == [0.5] * 4  # the prior
