@@ -60,6 +60,8 @@ class BenchTally:
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(METHODS, 0))
     prompt_lookup_rounds: int = 0
     """Prompt lookup's verification rounds after the prefills (through the engine only)."""
+    divergences: list[dict[str, Any]] = field(default_factory=list)
+    """Each turn whose output left the target's: where, and whether it was a numerical tie."""
     set_stats: dict[str, SpecStats] = field(default_factory=dict)
     """The runtime's statistics of each question set's turns (a suite's parts)."""
 
@@ -98,6 +100,34 @@ def greedy_generate(
         **extra,
     )
     return out[0, ids.shape[1] :].tolist()
+
+
+TIE_MARGIN = 1e-3
+"""A divergence where the target's top two logits lie within this of each other is a numerical
+tie (a different kernel's rounding can flip it), reported apart from a mismatch."""
+
+
+@torch.no_grad()
+def divergence(target, ids: torch.Tensor, reference: list[int], other: list[int]) -> dict:
+    """Where ``other`` first leaves the target's own ``reference`` continuation of ``ids``
+    (1, T): the position in the generated tokens, both tokens there, and the target's top-2
+    logit margin at it (one forward over the prompt and the reference's tokens before it);
+    ``tie`` when that margin is under :data:`TIE_MARGIN`."""
+    position = next(
+        (i for i, (a, b) in enumerate(zip(reference, other, strict=False)) if a != b),
+        min(len(reference), len(other)),
+    )
+    prefix = torch.tensor([reference[:position]], dtype=ids.dtype, device=ids.device)
+    logits = target(torch.cat([ids, prefix], dim=1)).logits[0, -1].float()
+    top = logits.topk(2).values
+    margin = float(top[0] - top[1])
+    return {
+        "position": position,
+        "reference_token": reference[position] if position < len(reference) else None,
+        "token": other[position] if position < len(other) else None,
+        "margin": margin,
+        "tie": margin < TIE_MARGIN,
+    }
 
 
 class MethodComparison:
@@ -216,6 +246,8 @@ class MethodComparison:
             )
         )
         tally.stats.merge(stats)
+        if spec != reference:
+            tally.divergences.append({**turn_info, **divergence(self.target, ids, reference, spec)})
         name = turn_info.get("set", "")
         tally.set_stats.setdefault(name, SpecStats(num_steps=tally.num_steps)).merge(stats)
         tally.seconds["eagle3"] += spent
@@ -355,6 +387,10 @@ def bench_report(
         if tally.prompt_lookup_rounds
         else None,
         "all_match": all(r["match"] for r in turns),
+        # where outputs differ: a tie (top-2 margin < TIE_MARGIN) or a mismatch
+        "divergences": tally.divergences,
+        "ties": sum(d["tie"] for d in tally.divergences),
+        "mismatches": sum(not d["tie"] for d in tally.divergences),
         # the target alone through the engine gave HF generate's outputs (None: no engine)
         "engine_all_match": None
         if any(r.get("engine_match") is None for r in turns)
@@ -456,6 +492,8 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         f"| prompt-lookup speedup (the same target forward; its tau) | {_lookup_words(result)} |",
         f"| all outputs identical to the target's | {result['all_match']} "
         f"({result['match_rate']:.1%}) |",
+        f"| outputs that differ: numerical ties (top-2 margin < {TIE_MARGIN}) / mismatches | "
+        f"{result['ties']} / {result['mismatches']} |",
         "",
         "| method | tokens/s |",
         "|---|---|",

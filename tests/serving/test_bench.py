@@ -1,10 +1,13 @@
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 from specforge.cli import main
 from specforge.data.questions import BUILTIN_EVAL, load_questions
 from specforge.recipes.train import train
-from specforge.serving.bench import accept_length_by_context
+from specforge.serving.bench import TIE_MARGIN, accept_length_by_context, divergence
 from tests.helpers import tiny_train_config
 
 
@@ -181,3 +184,17 @@ def test_accept_length_by_context_follows_each_round_along_its_turn():
     ]
     far = accept_length_by_context([{"prompt_tokens": 10_000, "accepted_per_round": [0]}])
     assert far == [{"from": 8192, "to": None, "rounds": 1, "tokens": 1, "tau": 1.0}]
+
+
+def test_a_divergence_names_its_position_and_the_targets_top_two_margin(tiny_target):
+    model, _ = tiny_target
+    ids = torch.tensor([[3, 5, 7, 11]])
+    reference, other = [13, 17, 19], [13, 23, 19]
+    found = divergence(model, ids, reference, other)
+    logits = model(torch.tensor([[3, 5, 7, 11, 13]])).logits[0, -1].float()
+    first, second = logits.topk(2).values.tolist()
+    assert found["position"] == 1 and (found["reference_token"], found["token"]) == (17, 23)
+    assert found["margin"] == pytest.approx(first - second)
+    assert found["tie"] == (found["margin"] < TIE_MARGIN)
+    shorter = divergence(model, ids, reference, [13])  # stopped early: leaves at its end
+    assert (shorter["position"], shorter["token"]) == (1, None)
