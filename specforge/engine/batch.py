@@ -4,23 +4,34 @@ replayed as a CUDA graph per row bucket and key span on a GPU, where the eager s
 launching its kernels (an H100 took 49-56 ms a step for 64 to 1,024 rows of SmolLM2).
 
 What changes against :class:`~specforge.engine.generation.ContinuousBatcher` (same requests,
-same completions): a row keeps its index while it lives, so nothing is compacted; a finished
-row's index is taken by the next prompt to join, whose keys and values are copied to the front
-of that row (from a prefill over its group, left-padded, through the target's own forward). A
-decode step covers the rows in use rounded up to a power of two (at least
-:data:`MIN_ROW_BUCKET`) and reads the key span that the longest live row needs (a multiple of
-:data:`~specforge.engine.cache.SPAN_STEP`), masked per row; finished and unused rows run along
-and write a slot no one reads. :func:`batcher_for` picks it on a CUDA device for a target the
-engine takes (else the transformers-based batcher).
+same completions): a row keeps its index while it lives; a finished row's index is taken by the
+next prompt to join, whose keys and values are copied to the front of that row (from a prefill
+over its group, left-padded, through the target's own forward). A decode step covers the rows
+in use rounded up to a power of two (at least :data:`MIN_ROW_BUCKET`) and reads the key span
+that the longest live row needs (a multiple of :data:`~specforge.engine.cache.SPAN_STEP`),
+masked per row; finished and unused rows run along and write a slot no one reads, until so few
+rows live that the live ones move to the front and the steps take a smaller bucket. A longer
+prompt grows the cache in place, layer by layer (never two whole caches at once); what one
+``run()`` knows of its rows dies with it. :func:`batcher_for` picks it on a CUDA device for a
+target the engine takes (else the transformers-based batcher).
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specforge.engine.cache import NamedSlotsCache, key_span, whole_spans
-from specforge.engine.generation import ContinuousBatcher, GenerationSettings, prefill_groups
+from specforge.engine.generation import (
+    ContinuousBatcher,
+    GenerationSettings,
+    _Batch,
+    prefill_groups,
+)
 from specforge.engine.graphs import CudaGraphs
 from specforge.engine.target import TargetEngine
 from specforge.errors import UserError
@@ -29,6 +40,12 @@ from specforge.models.target import default_aux_layer_ids
 
 MIN_ROW_BUCKET = 8
 """The fewest rows a decode step covers (row buckets are powers of two from here)."""
+
+
+def row_bucket(used: int, rows: int) -> int:
+    """The rows a decode step covers for ``used`` rows in use, in a cache of ``rows``: a power
+    of two, at least :data:`MIN_ROW_BUCKET`."""
+    return min(max(MIN_ROW_BUCKET, 1 << max(used - 1, 0).bit_length()), rows)
 
 
 class RowSlotLayer(CacheLayerMixin):
@@ -78,6 +95,30 @@ class RowSlotCache(NamedSlotsCache):
         super().__init__(layers)
         self.rows, self.capacity = rows, capacity
 
+    def grow(self, capacity: int, done: Callable[[int], None] | None = None) -> None:
+        """Room for ``capacity`` slots a row, in place, layer by layer: each layer's larger
+        buffers take its keys and values and the old ones go before the next layer's are
+        allocated, so growing holds one layer twice at most, not the whole cache (``done``,
+        if given, is called with each layer's index once its old buffers are dropped)."""
+        for index, layer in enumerate(self.layers):
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                new = old.new_zeros((*old.shape[:2], capacity + 1, old.shape[3]))
+                new[:, :, : old.shape[2]] = old
+                setattr(layer, name, new)
+                del old
+            if done is not None:
+                done(index)
+        self.capacity = capacity
+
+    def move_rows(self, rows: list[int]) -> None:
+        """Row ``rows[i]``'s keys and values to row ``i`` (a draining batch's live rows to the
+        front, so its decode steps cover fewer rows)."""
+        index = torch.tensor(rows, device=self.layers[0].keys.device)
+        for layer in self.layers:
+            layer.keys[: len(rows)] = layer.keys[index]
+            layer.values[: len(rows)] = layer.values[index]
+
     def place(self, prefill: Cache, rows: list[int], lengths: list[int]) -> None:
         """Copy a left-padded prefill's keys and values (B, H_kv, S, D) per layer to the front
         of ``rows``: prompt ``b``'s ``lengths[b]`` real columns (its last ones) to slots
@@ -94,6 +135,14 @@ class RowSlotCache(NamedSlotsCache):
             ours.values[row, :, slot] = theirs.values[source, :, column]
 
 
+@dataclass
+class _SlotBatch(_Batch):
+    """A run's rows in a :class:`RowSlotCache`, with what only that run may read."""
+
+    lengths: list[int] = field(default_factory=list)
+    """Per row in use: the slots it fills (its next token's slot and position)."""
+
+
 class SlotBatcher(ContinuousBatcher):
     """:class:`~specforge.engine.generation.ContinuousBatcher`'s requests and completions over
     a :class:`RowSlotCache`, its decode steps replayed as CUDA graphs with ``graphs`` (a CUDA
@@ -108,11 +157,14 @@ class SlotBatcher(ContinuousBatcher):
         aux = default_aux_layer_ids(text_config(model.config).num_hidden_layers)
         self.engine = TargetEngine(model, aux_layer_ids=aux, compile=False)
         self.graphs = graphs
-        self.lengths: list[int] = []
-        """Per row in use: the slots it fills (its next token's slot and position)."""
         self.capacity = 0
-        """Slots a row of the cache holds (0 before the first prompt joins)."""
+        """Slots a row of the last run's cache holds (0 before the first prompt joins)."""
+        self.rows_per_step: Counter[int] = Counter()
+        """How many decode steps covered each row bucket."""
         self._run = self.engine._layers
+
+    def _new_batch(self) -> _SlotBatch:
+        return _SlotBatch()
 
     def _join(self, batch, joining) -> None:
         """Prefill ``joining`` in groups of close lengths and place each prompt in a free row
@@ -134,35 +186,34 @@ class SlotBatcher(ContinuousBatcher):
                     batch.tokens.append([token])
                     batch.finished.append(False)
                     batch.generators.append(generator)
-                    self.lengths.append(length)
+                    batch.lengths.append(length)
                 else:
                     batch.requests[row], batch.tokens[row] = request, [token]
                     batch.finished[row], batch.generators[row] = False, generator
-                    self.lengths[row] = length
+                    batch.lengths[row] = length
 
     def _reserve(self, batch, prefill, needed: int) -> None:
-        """A cache of every row with room for ``needed`` slots a row: the batch's, or a larger
-        one holding what the batch's rows hold so far."""
-        old = batch.cache
-        if old is not None and old.capacity >= needed:
+        """A cache of every row with room for ``needed`` slots a row: the batch's, grown in
+        place layer by layer when it is short (:meth:`RowSlotCache.grow`)."""
+        if batch.cache is not None and batch.cache.capacity >= needed:
             return
         capacity = self.capacity = whole_spans(needed)
-        keys = [layer.keys for layer in prefill.layers]
-        batch.cache = RowSlotCache(keys, self.settings.max_batch_size, capacity)
-        if old is not None:
-            for ours, theirs in zip(batch.cache.layers, old.layers, strict=True):
-                ours.keys[:, :, : theirs.keys.shape[2]] = theirs.keys
-                ours.values[:, :, : theirs.values.shape[2]] = theirs.values
+        if batch.cache is None:
+            keys = [layer.keys for layer in prefill.layers]
+            batch.cache = RowSlotCache(keys, self.settings.max_batch_size, capacity)
+        else:
+            batch.cache.grow(capacity)
         if self.graphs:  # graphs over the new buffers (the old ones go), which stay put
             self._run = CudaGraphs(self.engine._layers)
 
     def _step(self, batch) -> None:
         """One decode forward over the rows in use (their bucket) at each row's next slot."""
         used = len(batch)
-        rows = min(max(MIN_ROW_BUCKET, 1 << (used - 1).bit_length()), batch.cache.rows)
+        rows = row_bucket(used, batch.cache.rows)
+        self.rows_per_step[rows] += 1
         live = [row for row, done in enumerate(batch.finished) if not done]
-        end = max(self.lengths[row] for row in live) + 1
-        lengths = self.lengths + [0] * (rows - used)
+        end = max(batch.lengths[row] for row in live) + 1
+        lengths = batch.lengths + [0] * (rows - used)
         slots = torch.tensor(lengths, device=self.device)
         tokens = [t[-1] for t in batch.tokens] + [0] * (rows - used)
         tokens = torch.tensor(tokens, device=self.device)[:, None]
@@ -175,10 +226,23 @@ class SlotBatcher(ContinuousBatcher):
         chosen = self._next_tokens(logits, batch.generators)[live].tolist()
         for row, token in zip(live, chosen, strict=True):
             batch.tokens[row].append(token)
-            self.lengths[row] += 1
+            batch.lengths[row] += 1
 
     def _compact(self, batch) -> None:
-        """Nothing moves: a finished row waits for the next prompt to take its index."""
+        """Where that makes the decode steps' row bucket smaller (a draining batch), the live
+        rows move to the front (their keys and values with them) and finished rows are dropped;
+        otherwise nothing moves and a finished row waits for the next prompt to take its index.
+        The cache's buffers stay (and the graphs recorded over them)."""
+        keep = [row for row, done in enumerate(batch.finished) if not done]
+        if batch.cache is None or row_bucket(len(keep), batch.cache.rows) >= row_bucket(
+            len(batch), batch.cache.rows
+        ):
+            return
+        if keep and keep != list(range(len(keep))):
+            batch.cache.move_rows(keep)
+        for name in ("requests", "tokens", "generators", "lengths"):
+            setattr(batch, name, [getattr(batch, name)[row] for row in keep])
+        batch.finished = [False] * len(keep)
 
 
 def batcher_for(model, settings: GenerationSettings) -> ContinuousBatcher:

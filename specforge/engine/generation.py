@@ -281,7 +281,7 @@ class ContinuousBatcher:
     def run(self, pending: list[Request]) -> Iterator[Completion]:
         """Yield completions as rows finish. ``pending`` is read as it changes: the caller may
         append follow-up requests (say, a conversation's next turn) after any completion."""
-        batch = _Batch()
+        batch = self._new_batch()
         while pending or len(batch):
             live = len(batch) - sum(batch.finished)
             free = self.settings.max_batch_size - live
@@ -297,6 +297,10 @@ class ContinuousBatcher:
             yield from self._collect(batch)
             if sum(batch.finished) >= max(1, self.settings.reclaim_fraction * len(batch)):
                 self._compact(batch)
+
+    def _new_batch(self) -> _Batch:
+        """A run's rows: nothing of one run outlives it."""
+        return _Batch()
 
     def _join_size(self) -> int:
         return max(1, int(self.settings.reclaim_fraction * self.settings.max_batch_size))

@@ -6,7 +6,7 @@ their batch."""
 import pytest
 import torch
 
-from specforge.engine.batch import SlotBatcher, batcher_for
+from specforge.engine.batch import RowSlotCache, SlotBatcher, batcher_for
 from specforge.engine.cache import SPAN_STEP
 from specforge.engine.generation import ContinuousBatcher, GenerationSettings, Request
 from tests.engine.test_generation import PROMPTS, one_at_a_time
@@ -88,3 +88,47 @@ def test_sampled_answers_do_not_depend_on_the_batch(model):
 def test_a_cpu_batches_through_transformers(model):
     settings = GenerationSettings(max_new_tokens=4, eos_ids=EOS, pad_id=0)
     assert type(batcher_for(model, settings)) is ContinuousBatcher
+
+
+def test_a_second_run_starts_from_nothing_the_first_left(model):
+    """What a run knows of its rows (their lengths) dies with it: a second run on the same
+    batcher answers as a fresh batcher does."""
+    settings = GenerationSettings(max_new_tokens=8, eos_ids=EOS, pad_id=0, max_batch_size=3)
+    batcher = SlotBatcher(model, settings, graphs=False)
+    answers(batcher, [Request(i, p) for i, p in enumerate(PROMPTS)])
+    again = answers(batcher, [Request(i, p) for i, p in enumerate(PROMPTS[:4])])
+    fresh = answers(
+        SlotBatcher(model, settings, graphs=False),
+        [Request(i, p) for i, p in enumerate(PROMPTS[:4])],
+    )
+    assert again == fresh
+
+
+def test_a_draining_batch_steps_over_a_smaller_row_bucket(model):
+    """Sixteen rows, no prompt left to take a finished row's index: once eight or fewer live,
+    they move to the front and the steps cover 8 rows, with every answer unchanged."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 96, (3 + i,), generator=generator).tolist() for i in range(16)]
+    settings = GenerationSettings(max_new_tokens=16, eos_ids=EOS, pad_id=0, max_batch_size=16)
+    batcher = SlotBatcher(model, settings, graphs=False)
+    got = answers(batcher, [Request(i, p) for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        tokens, stopped = got[i]
+        reference = one_at_a_time(model, prompt, 16, EOS)
+        assert tokens == (reference[: reference.index(tokens[-1]) + 1] if stopped else reference)
+    assert batcher.rows_per_step[16] and batcher.rows_per_step[8]
+
+
+def test_growing_the_cache_holds_one_layer_twice_at_most():
+    """Each layer's old buffers are gone before the next layer's new ones are allocated."""
+    import weakref
+
+    like = [torch.zeros(2, 1, 4, 8) for _ in range(3)]
+    cache = RowSlotCache(like, rows=2, capacity=SPAN_STEP)
+    cache.layers[1].keys[0, 0, 5] = 7.0
+    old = [weakref.ref(layer.keys) for layer in cache.layers]
+    alive_after = []
+    cache.grow(2 * SPAN_STEP, done=lambda i: alive_after.append([o() is not None for o in old]))
+    assert alive_after == [[False, True, True], [False, False, True], [False, False, False]]
+    assert cache.capacity == 2 * SPAN_STEP and cache.layers[1].keys.shape[2] == 2 * SPAN_STEP + 1
+    assert bool((cache.layers[1].keys[0, 0, 5] == 7.0).all())  # what the rows held came along
