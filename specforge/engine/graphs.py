@@ -12,6 +12,13 @@ copies its inputs in and replays. The warm-up writes the cache exactly what the 
 the buffers of a :class:`~specforge.engine.cache.SlotKVPool` (or of one cache that keeps its
 own); when the pool allocates new ones (a longer sequence), every graph is dropped and captured
 again over them.
+
+The graphs share one private memory pool, so a graph captured later may keep its working memory
+where an earlier one left its outputs: replaying it would overwrite them. So each graph copies
+its outputs, after every replay, into buffers of its own outside the pool, and what a call
+returns stays valid until the next call of the **same shape** (then it is overwritten: copy
+what must outlive it). ``tests/engine/test_graphs.py`` holds the CPU model of that rule, which
+poisons every other graph's pool outputs on each replay.
 """
 
 from __future__ import annotations
@@ -28,14 +35,16 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]
     """The tensors the graph reads its inputs from."""
+    pool_outputs: tuple[torch.Tensor, ...]
+    """Where each replay leaves the function's outputs, in the shared pool."""
     outputs: tuple[torch.Tensor, ...]
-    """Where each replay leaves the function's outputs."""
+    """The graph's own copies of them, outside the pool: what a call returns."""
 
 
 class CudaGraphs:
     """``run(*inputs, cache)`` replayed from one CUDA graph per shape of ``inputs`` (see the
-    module docstring). Returns what ``run`` returns, in tensors the next replay overwrites:
-    copy what must outlive it.
+    module docstring). Returns what ``run`` returns, in the graph's own tensors: valid until the
+    next call of the same shape, which overwrites them.
 
     Args:
         run: an eager forward over tensors and a cache whose buffers are taken.
@@ -51,8 +60,8 @@ class CudaGraphs:
         """Graphs captured so far (again after a change of buffers too)."""
         self._generation = self._buffers()
         self._memory = None
-        """The memory pool the graphs share: they run one at a time, and each one's outputs
-        stay allocated, so no graph writes where another keeps its outputs."""
+        """The memory pool the graphs share (their outputs are copied out of it after each
+        replay: see the module docstring)."""
 
     def __call__(self, *inputs: torch.Tensor, cache):
         if self._buffers() != self._generation:  # the graphs point at freed buffers
@@ -65,8 +74,14 @@ class CudaGraphs:
         else:
             for static, value in zip(graph.inputs, inputs, strict=True):
                 static.copy_(value)
-        graph.graph.replay()
+        self._replay(graph)
+        for own, pooled in zip(graph.outputs, graph.pool_outputs, strict=True):
+            if own is not None:
+                own.copy_(pooled)
         return graph.outputs
+
+    def _replay(self, graph: _Graph) -> None:
+        graph.graph.replay()
 
     def _buffers(self) -> int:
         """Which buffers the graphs were recorded over (the pool's generation)."""
@@ -84,4 +99,9 @@ class CudaGraphs:
         with torch.cuda.graph(graph, pool=self._memory):
             outputs = self.run(*inputs, cache=cache)
         self.captures += 1
-        return _Graph(graph, inputs, outputs)
+        return _Graph(graph, inputs, outputs, own_copies(outputs))
+
+
+def own_copies(outputs) -> tuple:
+    """Buffers outside the graphs' pool shaped as ``outputs`` (``None`` stays ``None``)."""
+    return tuple(None if t is None else torch.empty_like(t) for t in outputs)
