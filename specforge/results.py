@@ -4,7 +4,8 @@ A results file is one JSON object. Benchmarks write it through :func:`write_resu
 the provenance (:func:`provenance`: date, commit, machine, library versions, command) to what
 they measured. A file kept under ``docs/results/`` also carries a ``title``, a one-line
 ``summary`` and the ``figures`` worth showing (a flat mapping, or a table of ``columns`` and
-``rows``), and optionally an ``image`` beside it, ``"kind": "decision"`` for an A/B that chose
+``rows``), and optionally an ``image`` beside it, ``notes`` (the run's longer story, kept in
+the file only), ``"kind": "decision"`` for an A/B that chose
 a setting (else it is a current figure) and ``"alone": true`` when nothing else ran on the
 machine during the measurement. ``docs/results.md`` is rendered from those files by
 :func:`render_results_page` (``python -m specforge.docgen``), and a test fails when the two
