@@ -1,0 +1,126 @@
+"""The same exports served by vLLM and by the built-in runtime: vLLM's accept length (its own
+counters) and acceptance per position beside the built-in bench's on the same questions, and
+vLLM's speedup over itself without the draft.
+
+    python benchmarks/vllm_agreement.py --vllm-python ~/vllm-venv/bin/python \\
+        --export eagle3=outputs/ab/eagle3/export:5:outputs/ab/bench_eagle3/bench.json \\
+        --export dflash=outputs/ab/dflash/export:7:outputs/ab/bench_dflash/bench.json \\
+        --questions question.jsonl --limit 10 --max-new-tokens 64 --output outputs/vllm \\
+        --result docs/results/vllm_agreement_cpu.json
+
+Each ``--export NAME=DIR:STEPS:BENCH_JSON`` is served at ``STEPS`` tokens a round through
+``specforge bench --engine vllm`` (a subprocess launching vLLM with the draft, then without);
+the built-in runtime's figures come from ``BENCH_JSON``, a built-in bench of the same export
+whose turns include these questions (its first ``--limit``, both turns), restricted to them.
+Run it alone (vLLM and the bench share the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from specforge.data.questions import load_questions
+from specforge.results import write_result
+
+RECIPE = "configs/smollm2-135m-eagle3.yaml"
+
+
+def builtin_on(bench_json: Path, question_ids: set[str]) -> dict:
+    """The built-in bench's accept length over the turns of ``question_ids``."""
+    report = json.loads(bench_json.read_text())
+    turns = [t for t in report["turn_details"] if str(t["question_id"]) in question_ids]
+    verifications = sum(t["verifications"] for t in turns)
+    return {
+        "tau": sum(t["emitted"] for t in turns) / max(verifications, 1),
+        "turns": len(turns),
+        "all_match": all(t["match"] for t in turns),
+        "acceptance_per_position_all_questions": report["acceptance_per_position"],
+    }
+
+
+def serve(name: str, export: str, steps: int, args) -> dict:
+    """``specforge bench --engine vllm`` for one export; returns its bench.json."""
+    out = Path(args.output) / name
+    if not (out / "bench.json").is_file():
+        command = [
+            sys.executable,
+            *("-m", "specforge.cli", "bench", "--config", RECIPE, "--engine", "vllm"),
+            *("--vllm-python", args.vllm_python, "--draft", export),
+            *("--questions", args.questions, "--limit", str(args.limit)),
+            *("--num-steps", str(steps), "--max-new-tokens", str(args.max_new_tokens)),
+            *("--output", str(out)),
+        ]
+        print("$", " ".join(command[2:]), flush=True)
+        subprocess.run(command, check=True)
+    return json.loads((out / "bench.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-python", required=True)
+    parser.add_argument("--export", action="append", required=True, help="NAME=DIR:STEPS:BENCH")
+    parser.add_argument("--questions", required=True)
+    parser.add_argument("--limit", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--output", default="outputs/vllm")
+    parser.add_argument("--result", default=None)
+    args = parser.parse_args()
+    ids = {q.id for q in load_questions(args.questions, limit=args.limit)}
+    rows = []
+    for spec in args.export:
+        name, _, rest = spec.partition("=")
+        export, steps, bench_json = rest.split(":")
+        engine = serve(name, export, int(steps), args)
+        ours = builtin_on(Path(bench_json), ids)
+        rows.append(
+            {
+                "draft": name,
+                "steps": int(steps),
+                "vllm_tau": engine["tau"],
+                "builtin_tau": ours["tau"],
+                "vllm_acceptance_per_position": engine["acceptance_per_position"],
+                "vllm_speedup": engine["speedup"],
+                "vllm_tokens_per_s": engine["tokens_per_s"],
+                "vllm_identical_with_and_without": engine["match_rate"],
+                "builtin_identical": ours["all_match"],
+                "turns": engine["turns"],
+                "vllm_version": engine["engine_version"],
+                "vllm_flags": engine["settings"].get("vllm_flags"),
+            }
+        )
+    columns = ["draft", "steps", "vLLM tau", "built-in tau", "vLLM speedup", "vLLM identical"]
+    table = [
+        [
+            r["draft"],
+            r["steps"],
+            round(r["vllm_tau"], 3) if r["vllm_tau"] else None,
+            round(r["builtin_tau"], 3),
+            f"{r['vllm_speedup']:.2f}x",
+            f"{r['vllm_identical_with_and_without']:.0%}",
+        ]
+        for r in rows
+    ]
+    write_result(
+        Path(args.result or Path(args.output) / "agreement.json"),
+        {"settings": vars(args), "rows": rows},
+        title="The exports served by vLLM beside the built-in runtime (cpu)",
+        summary=(
+            f"vLLM ({rows[0]['vllm_version']}, float32, eager, one request at a time) serving "
+            f"each export on the first {args.limit} questions of {args.questions} "
+            f"({args.max_new_tokens} tokens, greedy), against vLLM without the draft; the "
+            "built-in runtime's accept length on the same turns from its own bench."
+        ),
+        figures={"columns": columns, "rows": table},
+    )
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in table:
+        print("| " + " | ".join(str(v) for v in row) + " |")
+
+
+if __name__ == "__main__":
+    main()
