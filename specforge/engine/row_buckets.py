@@ -7,7 +7,7 @@ how fast that is depends on the CPU:
 - On a 2-core AVX-512 Xeon without AVX512-BF16, from 4 rows on it switches to a kernel that
   repacks the weight on every call: SmolLM2's 576x576 projections over its 30 layers took
   3.3 ms at 1-3 rows and 11.9-12.4 ms at 4-8, so verifying 4-8 tokens cost 1.7-2.0 target
-  tokens (``docs/results/verify_cost_engine_cpu.json``). MKL's product over a weight packed
+  tokens (``docs/results/verify_cost_row_buckets_cpu.json``). MKL's product over a weight packed
   once for a fixed row count (the ``torch.ops.mkl`` pair inductor emits for frozen float32
   graphs) read it once: 2.6-2.9 ms at 4-16 rows.
 - On a 2-core Zen 5 EPYC (AVX512-BF16), MKL read SmolLM2's weights at about half oneDNN's
