@@ -669,6 +669,13 @@ class BenchConfig:
     --enforce-eager --seed 0``)."""
     vllm_start_timeout_s: float = 900.0
     """How long a launched vLLM server may take to answer ``/health``."""
+    agree_with: str | None = None
+    """``engine: vllm``: a built-in bench's ``bench.json`` of the same export on the same
+    questions and depth; the report sets the two accept lengths side by side, and when the
+    engine's falls more than ``agreement_margin`` below ours, names the export checks run
+    (:mod:`specforge.serving.agreement`)."""
+    agreement_margin: float = 0.10
+    """How far (a share) the engine's accept length may fall below the built-in runtime's."""
     questions: str = "builtin-eval"
     """FastChat ``question.jsonl``, a conversations file, ``builtin-eval`` (the held-out built-in
     prompts), ``auto`` (MT-Bench from the HF hub when reachable, else ``builtin-eval``), a set by

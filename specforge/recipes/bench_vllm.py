@@ -11,8 +11,15 @@ from typing import Any
 from specforge.config import SpecForgeConfig
 from specforge.data.questions import load_questions
 from specforge.errors import UserError
-from specforge.io import write_json_atomic, write_text_atomic
-from specforge.models.target import load_tokenizer, resolve_target_path, target_dtype
+from specforge.io import read_json, write_json_atomic, write_text_atomic
+from specforge.models.adapter import text_config
+from specforge.models.target import (
+    load_target_config,
+    load_tokenizer,
+    resolve_target_path,
+    target_dtype,
+)
+from specforge.serving.agreement import agreement, export_checks
 from specforge.serving.export_dflash import is_dflash_export
 from specforge.serving.vllm_client import (
     DEFAULT_FLAGS,
@@ -79,8 +86,28 @@ def bench_vllm(cfg: SpecForgeConfig, questions_source: str) -> dict[str, Any]:
         spec, counters, base, version = _launched(cfg, settings, ask)
     result = vllm_report(spec, base, counters, settings)
     result["engine_version"] = version
+    if bc.agree_with:
+        result["agreement"] = _agreement(cfg, result)
     _write(result, out)
     return result
+
+
+def _agreement(cfg: SpecForgeConfig, result: dict[str, Any]) -> dict[str, Any]:
+    """The gate: the built-in bench ``bench.agree_with`` beside vLLM's, and the export's checks."""
+    builtin = read_json(Path(cfg.bench.agree_with))
+    found = agreement(builtin, result, cfg.bench.agreement_margin)
+    found["checks"] = export_checks(cfg.bench_draft, text_config(load_target_config(cfg.target)))
+    if not found["agrees"]:
+        failed = [c["check"] for c in found["checks"] if c["problem"]]
+        logger.warning(
+            "vLLM's accept length %.3f is %.0f%% below the built-in runtime's %.3f on the same "
+            "turns; export checks failed: %s",
+            found["engine_tau"],
+            100 * found["gap"],
+            found["builtin_tau"],
+            failed or "none (the gap is in how the engine serves the draft)",
+        )
+    return found
 
 
 def _launched(cfg: SpecForgeConfig, settings: dict[str, Any], ask):
@@ -155,4 +182,29 @@ def _write(result: dict[str, Any], out: Path) -> None:
         "|---|---|",
         *[f"| {i + 1} | {r:.3f} |" for i, r in enumerate(result["acceptance_per_position"])],
     ]
+    if result.get("agreement"):
+        lines += _agreement_lines(result["agreement"])
     write_text_atomic(out / "bench.md", "\n".join(lines) + "\n")
+
+
+def _agreement_lines(found: dict[str, Any]) -> list[str]:
+    verdict = "agree" if found["agrees"] else "DISAGREE"
+    ours, theirs = found["builtin_acceptance_per_position"], found["engine_acceptance_per_position"]
+    return [
+        "",
+        f"## Against the built-in runtime ({found['turns']} turns): {verdict}",
+        "",
+        f"accept length: built-in {found['builtin_tau']:.3f}, vLLM {found['engine_tau']:.3f} "
+        f"(gap {found['gap']:.1%}, margin {found['margin']:.0%})",
+        "",
+        "| draft position | built-in | vLLM |",
+        "|---|---|---|",
+        *[
+            f"| {i + 1} | {a:.3f} | {b:.3f} |"
+            for i, (a, b) in enumerate(zip(ours, theirs, strict=False))
+        ],
+        "",
+        "| export check | outcome |",
+        "|---|---|",
+        *[f"| {c['check']} | {c['problem'] or 'passed'} |" for c in found["checks"]],
+    ]
