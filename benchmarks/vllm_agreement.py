@@ -11,7 +11,8 @@ vLLM's speedup over itself without the draft.
 Each ``--export NAME=DIR:STEPS:BENCH_JSON`` is served at ``STEPS`` tokens a round through
 ``specforge bench --engine vllm`` (a subprocess launching vLLM with the draft, then without);
 the built-in runtime's figures come from ``BENCH_JSON``, a built-in bench of the same export
-whose turns include these questions (its first ``--limit``, both turns), restricted to them.
+whose turns include these questions, compared on the turns both ran (``--agree-with``: the
+gate of :mod:`specforge.serving.agreement`, with the export's checks).
 Run it alone (vLLM and the bench share the CPU).
 """
 
@@ -23,27 +24,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specforge.data.questions import load_questions
 from specforge.results import write_result
 
 RECIPE = "configs/smollm2-135m-eagle3.yaml"
 
 
-def builtin_on(bench_json: Path, question_ids: set[str]) -> dict:
-    """The built-in bench's accept length over the turns of ``question_ids``."""
-    report = json.loads(bench_json.read_text())
-    turns = [t for t in report["turn_details"] if str(t["question_id"]) in question_ids]
-    verifications = sum(t["verifications"] for t in turns)
-    return {
-        "tau": sum(t["emitted"] for t in turns) / max(verifications, 1),
-        "turns": len(turns),
-        "all_match": all(t["match"] for t in turns),
-        "acceptance_per_position_all_questions": report["acceptance_per_position"],
-    }
-
-
-def serve(name: str, export: str, steps: int, args) -> dict:
-    """``specforge bench --engine vllm`` for one export; returns its bench.json."""
+def serve(name: str, export: str, steps: int, bench_json: str, args) -> dict:
+    """``specforge bench --engine vllm`` for one export, gated against the built-in bench
+    ``bench_json``; returns its bench.json."""
     out = Path(args.output) / name
     if not (out / "bench.json").is_file():
         command = [
@@ -52,7 +40,7 @@ def serve(name: str, export: str, steps: int, args) -> dict:
             *("--vllm-python", args.vllm_python, "--draft", export),
             *("--questions", args.questions, "--limit", str(args.limit)),
             *("--num-steps", str(steps), "--max-new-tokens", str(args.max_new_tokens)),
-            *("--output", str(out)),
+            *("--agree-with", bench_json, "--output", str(out)),
         ]
         print("$", " ".join(command[2:]), flush=True)
         subprocess.run(command, check=True)
@@ -69,36 +57,47 @@ def main() -> None:
     parser.add_argument("--output", default="outputs/vllm")
     parser.add_argument("--result", default=None)
     args = parser.parse_args()
-    ids = {q.id for q in load_questions(args.questions, limit=args.limit)}
     rows = []
     for spec in args.export:
         name, _, rest = spec.partition("=")
         export, steps, bench_json = rest.split(":")
-        engine = serve(name, export, int(steps), args)
-        ours = builtin_on(Path(bench_json), ids)
+        engine = serve(name, export, int(steps), bench_json, args)
+        gate = engine["agreement"]
         rows.append(
             {
                 "draft": name,
                 "steps": int(steps),
                 "vllm_tau": engine["tau"],
-                "builtin_tau": ours["tau"],
+                "builtin_tau": gate["builtin_tau"],
+                "agrees": gate["agrees"],
+                "gap": gate["gap"],
                 "vllm_acceptance_per_position": engine["acceptance_per_position"],
+                "builtin_acceptance_per_position": gate["builtin_acceptance_per_position"],
+                "export_checks": gate["checks"],
                 "vllm_speedup": engine["speedup"],
                 "vllm_tokens_per_s": engine["tokens_per_s"],
                 "vllm_identical_with_and_without": engine["match_rate"],
-                "builtin_identical": ours["all_match"],
                 "turns": engine["turns"],
                 "vllm_version": engine["engine_version"],
                 "vllm_flags": engine["settings"].get("vllm_flags"),
             }
         )
-    columns = ["draft", "steps", "vLLM tau", "built-in tau", "vLLM speedup", "vLLM identical"]
+    columns = [
+        "draft",
+        "steps",
+        "vLLM tau",
+        "built-in tau",
+        "gap",
+        "vLLM speedup",
+        "vLLM identical",
+    ]
     table = [
         [
             r["draft"],
             r["steps"],
             round(r["vllm_tau"], 3) if r["vllm_tau"] else None,
             round(r["builtin_tau"], 3),
+            f"{r['gap']:.1%}",
             f"{r['vllm_speedup']:.2f}x",
             f"{r['vllm_identical_with_and_without']:.0%}",
         ]
