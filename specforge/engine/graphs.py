@@ -26,8 +26,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specforge.engine.cache import SlotKVPool
+
+CAPTURE_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+"""The attention kernels SDPA may pick for a captured forward: its usual choices but cuDNN's,
+which SDPA tries first on SM90 with recent PyTorch and which has failed under capture with
+non-causal masks over long key spans (asserts, "no execution plans", NaN). A graph replays the
+kernels chosen at its capture, so the pin holds for every replay."""
 
 
 @dataclass
@@ -70,7 +77,9 @@ class CudaGraphs:
         shape = tuple(tuple(tensor.shape) for tensor in inputs)
         graph = self.graphs.get(shape)
         if graph is None:
-            graph = self.graphs[shape] = self._capture([t.clone() for t in inputs], cache)
+            with sdpa_kernel(list(CAPTURE_BACKENDS)):
+                graph = self._capture([t.clone() for t in inputs], cache)
+            self.graphs[shape] = graph
         else:
             for static, value in zip(graph.inputs, inputs, strict=True):
                 static.copy_(value)

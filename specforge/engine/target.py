@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from specforge.engine.cache import SPAN_STEP, SlotKVCache, SlotKVPool, whole_spans
-from specforge.engine.graphs import CudaGraphs
+from specforge.engine.graphs import CAPTURE_BACKENDS, CudaGraphs
 from specforge.engine.host_sync import HostSync, host_sync
 from specforge.engine.row_buckets import bucket_linears
 from specforge.errors import UserError
@@ -99,10 +99,14 @@ class EngineStats:
     (:func:`~specforge.engine.row_buckets.bucket_linears`; compiled on a CPU, float32)."""
     row_plan: dict[str, str] = field(default_factory=dict)
     """Their kernel by row count (:func:`~specforge.models.packed_linear.describe_plan`)."""
+    attention_backends: list[str] = field(default_factory=list)
+    """The SDPA kernels a captured forward may use (CUDA graphs only:
+    :data:`~specforge.engine.graphs.CAPTURE_BACKENDS`); empty: SDPA's own choice."""
 
     def as_dict(self) -> dict:
         return {
             "compiled": self.compiled,
+            "attention_backends": self.attention_backends,
             "compilations": self.compilations,
             "compile_seconds": round(self.compile_seconds, 2),
             "row_buckets": self.row_buckets,
@@ -170,6 +174,7 @@ class TargetEngine:
         self.stats.compiled = True
         if self.device.type == "cuda":
             self._run = CudaGraphs(self._layers, self._pool)
+            self.stats.attention_backends = [b.name for b in CAPTURE_BACKENDS]
         else:
             # float32 linears: the kernel measured fastest here for each row count
             self._bucket(self._row_buckets)

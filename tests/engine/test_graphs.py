@@ -5,7 +5,7 @@ must stay valid until the next call of the same shape."""
 
 import torch
 
-from specforge.engine.graphs import CudaGraphs, _Graph, own_copies
+from specforge.engine.graphs import CAPTURE_BACKENDS, CudaGraphs, _Graph, own_copies
 
 
 class PoisoningGraphs(CudaGraphs):
@@ -56,3 +56,25 @@ def test_the_model_bites_where_pool_outputs_are_returned():
     one = graphs(torch.ones(1, 3), cache=None)
     graphs(torch.ones(1, 5), cache=None)
     assert torch.isnan(one[0]).all()
+
+
+def test_captures_run_with_sdpa_pinned_away_from_cudnn():
+    """The kernels a graph replays are those chosen at its capture: cuDNN's attention is
+    excluded there, the others left as SDPA would pick them."""
+    seen = []
+
+    def observed(x, *, cache):
+        seen.append(
+            (
+                torch.backends.cuda.cudnn_sdp_enabled(),
+                torch.backends.cuda.flash_sdp_enabled(),
+                torch.backends.cuda.mem_efficient_sdp_enabled(),
+                torch.backends.cuda.math_sdp_enabled(),
+            )
+        )
+        return (x + 1,)
+
+    graphs = PoisoningGraphs(observed)
+    graphs(torch.ones(2), cache=None)
+    assert seen[0] == (False, True, True, True)  # the capture
+    assert [b.name for b in CAPTURE_BACKENDS] == ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
