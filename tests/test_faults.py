@@ -288,7 +288,10 @@ def test_an_unavailable_device_is_named(tiny_target_dir, capsys):
 
 @pytest.mark.parametrize(
     ("line", "message"),
-    [("[1, 2]", "line 2: expected a JSON object"), ('{"turns": [1]}', "line 2: no 'turns'")],
+    [
+        ("[1, 2]", "line 2: expected a JSON object"),
+        ('{"turns": [1]}', "line 2: none of the fields 'turns'"),
+    ],
 )
 def test_a_bad_question_line_is_named_with_its_number(tmp_path, line, message):
     from specforge.data.questions import load_questions
