@@ -13,8 +13,7 @@ from specforge.errors import UserError
 from specforge.recipes.train import train
 from specforge.serving.agreement import agreement, export_checks
 from tests.helpers import tiny_train_config
-from tests.serving.test_vllm_client import write_questions
-from tests.serving.vllm_standin import serve_in_thread
+from tests.serving.test_vllm_client import bench_against_standins
 
 
 def turns(*rows):
@@ -73,22 +72,9 @@ def test_bench_reports_the_gate_beside_vllms_figures(tmp_path, export, caplog):
             }
         )
     )
-    spec, spec_url = serve_in_thread(speculative=True)
-    base, base_url = serve_in_thread(speculative=False)
-    out = tmp_path / "bench"
-    try:
-        code = main(
-            [
-                "bench",
-                *("--engine", "vllm", "--url", spec_url, "--baseline-url", base_url),
-                *("--target", str(folder), "--draft", str(good), "--agree-with", str(builtin)),
-                *("--questions", str(write_questions(tmp_path)), "--num-steps", "3"),
-                *("--max-new-tokens", "6", "--output", str(out)),
-            ]
-        )
-    finally:
-        spec.shutdown(), base.shutdown()
-    assert code == 0
+    _, out = bench_against_standins(
+        tmp_path, folder, "--draft", str(good), "--agree-with", str(builtin)
+    )
     found = json.loads((out / "bench.json").read_text())["agreement"]
     # the stand-in accepted 1 + 12/18 a round against the built-in 4.0: far below the margin
     assert found["builtin_tau"] == 4.0 and not found["agrees"]

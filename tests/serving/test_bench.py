@@ -9,6 +9,7 @@ from specforge.data.questions import BUILTIN_EVAL, load_questions
 from specforge.recipes.train import train
 from specforge.serving.bench import TIE_MARGIN, accept_length_by_context, divergence
 from tests.helpers import tiny_train_config
+from tests.serving.test_vllm_client import write_questions
 
 
 def _bench(tmp_path, peaked_target_dir, *options: str, suite: bool = False) -> Path:
@@ -19,13 +20,7 @@ def _bench(tmp_path, peaked_target_dir, *options: str, suite: bool = False) -> P
     run = train(tiny_train_config(folder, data, tmp_path / "run", "train.max_steps=3"))
     export = tmp_path / "export"
     assert main(["export", str(run.checkpoint), str(export), "--dtype", "float32"]) == 0
-    questions = tmp_path / "question.jsonl"
-    questions.write_text(
-        json.dumps({"question_id": 1, "category": "math", "turns": ["add the numbers", "again"]})
-        + "\n"
-        + json.dumps({"question_id": 2, "category": "writing", "turns": ["the thin end"]})
-        + "\n"
-    )
+    questions = write_questions(tmp_path)
     out = tmp_path / "bench"
     asked = str(questions)
     if suite:

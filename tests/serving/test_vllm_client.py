@@ -49,12 +49,10 @@ def write_questions(tmp_path) -> Path:
     return path
 
 
-def test_bench_reads_accept_length_and_speedup_from_running_vllm_servers(
-    tmp_path, peaked_target_dir
-):
-    """Three turns of 6 tokens: the stand-in counts 6 drafts, 3 accepted at position 0 and 1 at
-    position 1 for each, on top of what it had served before the bench."""
-    folder, _ = peaked_target_dir
+def bench_against_standins(tmp_path, folder, *options: str) -> tuple[StandIn, Path]:
+    """``specforge bench --engine vllm`` on :func:`write_questions`' three turns (3 tokens a
+    round, 6 a turn) against a speculative stand-in and a plain one; returns the speculative
+    stand-in and the bench folder."""
     spec, spec_url = serve_in_thread(speculative=True)
     base, base_url = serve_in_thread(speculative=False)
     out = tmp_path / "bench"
@@ -64,12 +62,22 @@ def test_bench_reads_accept_length_and_speedup_from_running_vllm_servers(
                 "bench",
                 *("--engine", "vllm", "--url", spec_url, "--baseline-url", base_url),
                 *("--target", str(folder), "--questions", str(write_questions(tmp_path))),
-                *("--num-steps", "3", "--max-new-tokens", "6", "--output", str(out)),
+                *("--num-steps", "3", "--max-new-tokens", "6", "--output", str(out), *options),
             ]
         )
     finally:
         spec.shutdown(), base.shutdown()
     assert code == 0
+    return spec, out
+
+
+def test_bench_reads_accept_length_and_speedup_from_running_vllm_servers(
+    tmp_path, peaked_target_dir
+):
+    """Three turns of 6 tokens: the stand-in counts 6 drafts, 3 accepted at position 0 and 1 at
+    position 1 for each, on top of what it had served before the bench."""
+    folder, _ = peaked_target_dir
+    spec, out = bench_against_standins(tmp_path, folder)
     result = json.loads((out / "bench.json").read_text())
     assert result["turns"] == 3 and [t["tokens"] for t in result["turn_details"]] == [6, 6, 6]
     assert (result["drafts"], result["accepted_tokens"]) == (18.0, 12.0)
