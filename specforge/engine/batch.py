@@ -32,7 +32,7 @@ from specforge.engine.generation import (
     _Batch,
     prefill_groups,
 )
-from specforge.engine.graphs import CudaGraphs
+from specforge.engine.graphs import graph_runner
 from specforge.engine.target import TargetEngine
 from specforge.errors import UserError
 from specforge.models.adapter import text_config
@@ -204,7 +204,7 @@ class SlotBatcher(ContinuousBatcher):
         else:
             batch.cache.grow(capacity)
         if self.graphs:  # graphs over the new buffers (the old ones go), which stay put
-            self._run = CudaGraphs(self.engine._layers)
+            self._run = graph_runner(self.device)(self.engine._layers)
 
     def _step(self, batch) -> None:
         """One decode forward over the rows in use (their bucket) at each row's next slot."""
@@ -250,7 +250,7 @@ def batcher_for(model, settings: GenerationSettings) -> ContinuousBatcher:
     :class:`SlotBatcher` replaying CUDA graphs where the engine takes the target; else
     :class:`~specforge.engine.generation.ContinuousBatcher`."""
     device = next(model.parameters()).device
-    if device.type == "cuda" and settings.cuda_graphs:
+    if graph_runner(device) is not None and settings.cuda_graphs:
         try:
             return SlotBatcher(model, settings, graphs=True)
         except UserError:

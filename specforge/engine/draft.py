@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from specforge.engine.cache import SlotKVCache, SlotKVPool, whole_spans
-from specforge.engine.graphs import CudaGraphs
-from specforge.models.eagle3 import Eagle3DraftModel
+from specforge.engine.cache import SPAN_STEP, SlotKVCache, SlotKVPool, whole_spans
+from specforge.engine.graphs import graph_runner
+from specforge.engine.host_sync import HostSync, host_sync
+from specforge.models.eagle3 import AUX_STATES, Eagle3DraftModel
 
 MAX_GRAPH_TOKENS = 16
 """Extensions over more tokens than this run eagerly (each count is a graph of its own)."""
@@ -34,13 +35,14 @@ class DraftEngine:
     def __init__(self, draft: Eagle3DraftModel, *, graphs: bool):
         self.draft = draft
         self.device = draft.lm_head.weight.device
-        if graphs and self.device.type != "cuda":
+        runner = graph_runner(self.device)
+        if graphs and runner is None:
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
         self._pool = SlotKVPool()
         self._extend, self._step = self._extend_eager, self._step_eager
         if graphs:
-            self._extend = CudaGraphs(self._extend_eager, self._pool)
-            self._step = CudaGraphs(self._step_eager, self._pool)
+            self._extend = runner(self._extend_eager, self._pool)
+            self._step = runner(self._step_eager, self._pool)
 
     @property
     def captures(self) -> int:
@@ -61,6 +63,53 @@ class DraftEngine:
         return self.draft(
             tokens, hidden, positions, cache=cache, attention_mask=mask, logits_to_keep=1
         )
+
+    @torch.no_grad()
+    def host_sync(self) -> HostSync | None:
+        """The first host sync of the draft's extension and step forwards (eagerly, on a
+        scratch cache: a prefix of 3 tokens, then a step), or ``None``: what would stop a
+        captured forward (:mod:`specforge.engine.host_sync`), as dynamic RoPE does."""
+        config = self.draft.config
+        cache = SlotKVCache(1, whole_spans(4), SlotKVPool())
+        aux = torch.zeros(1, 3, AUX_STATES * config.target_hidden_size)
+        aux = aux.to(self.device, self.draft.norm.weight.dtype)
+        tokens = torch.zeros(1, 3, dtype=torch.long, device=self.device)
+        hidden = None
+        for extend, count in ((True, 3), (False, 1)):
+            slots, span = cache.next_slots(count, self.device)
+            mask = (torch.arange(span, device=self.device)[None] <= slots[:, None])[None, None]
+            states = aux if extend else hidden
+            run = self._extend_eager if extend else self._step_eager
+            args = (tokens[:, :count], states, slots[None], slots, mask)
+            sync = host_sync(self.draft, run, *args, cache=cache)
+            if sync is not None:
+                return sync
+            _, hidden = run(*args, cache=cache)
+            hidden, cache.length = hidden[:, -1:], cache.length + count
+        return None
+
+    @torch.no_grad()
+    def prepare(self, capacity: int) -> int:
+        """Before anything is timed: the buffers for a draft cache of ``capacity`` entries and,
+        replaying graphs, every graph a chain needs up to that capacity (extensions over 1 ..
+        ``MAX_GRAPH_TOKENS`` tokens and the step, at each key span). Returns the graphs
+        captured."""
+        config = self.draft.config
+        dtype = self.draft.norm.weight.dtype
+        cache = self.new_cache(capacity)
+        aux = torch.zeros(1, MAX_GRAPH_TOKENS, AUX_STATES * config.target_hidden_size)
+        aux = aux.to(self.device, dtype)
+        tokens = torch.zeros(1, MAX_GRAPH_TOKENS, dtype=torch.long, device=self.device)
+        _, hidden = self.forward(tokens[:, :1], aux[:, :1], cache, extend=True)  # eager
+        before = self.captures
+        if self._step is not self._step_eager:  # graphs
+            for span in range(SPAN_STEP, cache.capacity + 1, SPAN_STEP):
+                for count in range(1, MAX_GRAPH_TOKENS + 1):
+                    cache.length = span - count  # the forward ends at the span's last slot
+                    self.forward(tokens[:, :count], aux[:, :count], cache, extend=True)
+                cache.length = span - 1
+                self.forward(tokens[:, :1], hidden, cache, extend=False)
+        return self.captures - before
 
     @torch.no_grad()
     def forward(

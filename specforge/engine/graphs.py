@@ -111,6 +111,17 @@ class CudaGraphs:
         return _Graph(graph, inputs, outputs, own_copies(outputs))
 
 
+RUNNERS: dict[str, type[CudaGraphs]] = {"cuda": CudaGraphs}
+"""What replays a compiled forward's graphs on each device type: CUDA graphs on a CUDA device.
+The test suite registers its CPU model of them here (``tests/engine/fake_graphs.py``), so that
+the engine's graph paths run, and are checked, without a GPU."""
+
+
+def graph_runner(device: torch.device) -> type[CudaGraphs] | None:
+    """The graph runner for ``device`` (:data:`RUNNERS`), or ``None``: no graphs there."""
+    return RUNNERS.get(torch.device(device).type)
+
+
 def own_copies(outputs) -> tuple:
     """Buffers outside the graphs' pool shaped as ``outputs`` (``None`` stays ``None``)."""
     return tuple(None if t is None else torch.empty_like(t) for t in outputs)

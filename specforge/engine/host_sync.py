@@ -66,8 +66,8 @@ class _SyncDetector(TorchDispatchMode):
         frame = inspect.currentframe()
         while frame is not None:
             owner = frame.f_locals.get("self")
-            if isinstance(owner, nn.Module) and id(owner) in self.names:
-                return f"{self.names[id(owner)]} ({type(owner).__name__})"
+            if isinstance(owner, nn.Module) and (id(owner) in self.names or not self.names):
+                return f"{self.names.get(id(owner), '?')} ({type(owner).__name__})"
             frame = frame.f_back
         return "?"
 
@@ -83,11 +83,13 @@ def _copies_to_host(name: str, args, kwargs) -> bool:
     return False
 
 
-def host_sync(model: nn.Module, run, *args, **kwargs) -> HostSync | None:
+def host_sync(model: nn.Module | None, run, *args, **kwargs) -> HostSync | None:
     """Run ``run(*args, **kwargs)`` once, eagerly, and return the first host sync it makes (the
-    modules of ``model`` name where), or ``None``. The run stops at that operation: whatever it
-    wrote before stays written (run it on a scratch cache)."""
-    names = {id(module): name or type(model).__name__ for name, module in model.named_modules()}
+    modules of ``model`` name where; any module by its class without one), or ``None``. The run
+    stops at that operation: whatever it wrote before stays written (run it on a scratch
+    cache)."""
+    modules = [] if model is None else model.named_modules()
+    names = {id(module): name or type(model).__name__ for name, module in modules}
     try:
         with _SyncDetector(names):
             run(*args, **kwargs)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from specforge.engine.cache import SPAN_STEP, SlotKVCache, SlotKVPool, whole_spans
-from specforge.engine.graphs import CAPTURE_BACKENDS, CudaGraphs
+from specforge.engine.graphs import CAPTURE_BACKENDS, CudaGraphs, graph_runner
 from specforge.engine.host_sync import HostSync, host_sync
 from specforge.engine.row_buckets import bucket_linears
 from specforge.errors import UserError
@@ -172,8 +172,9 @@ class TargetEngine:
         """From now on run forwards through ``torch.compile`` (both sizes dynamic; compiled at
         their first call), or on a CUDA device as CUDA graphs."""
         self.stats.compiled = True
-        if self.device.type == "cuda":
-            self._run = CudaGraphs(self._layers, self._pool)
+        runner = graph_runner(self.device)
+        if runner is not None:
+            self._run = runner(self._layers, self._pool)
             self.stats.attention_backends = [b.name for b in CAPTURE_BACKENDS]
         else:
             # float32 linears: the kernel measured fastest here for each row count
@@ -291,6 +292,35 @@ class TargetEngine:
         cache.length = end
         rows = hidden[0, -logits_to_keep:]
         return self.transform(self.head(rows).float()), aux
+
+    @torch.no_grad()
+    def prepare(self, capacity: int, counts) -> int:
+        """Before anything is timed: the buffers for sequences of up to ``capacity`` tokens,
+        taken once (a later cache that fits reuses them, so no graph is dropped for new ones),
+        and every graph the forwards over ``counts`` new tokens will need: on CUDA graphs one
+        per count and key span up to the capacity; compiled on a CPU the two dynamic graphs
+        (one token, several), each at a first and a later span. Returns the graphs built.
+
+        Raises:
+            ValueError: a count larger than the capacity.
+        """
+        counts = sorted(set(counts))
+        if counts[-1] > whole_spans(capacity):
+            raise ValueError(f"a forward over {counts[-1]} tokens exceeds {capacity} slots")
+        cache = self.new_cache(capacity)
+        ones = torch.ones(1, 1, dtype=torch.long, device=self.device)
+        self.forward(ones, cache)  # eager: takes the buffers, at full capacity
+        spans = range(SPAN_STEP, cache.capacity + 1, SPAN_STEP)
+        if not self.graphs:  # dynamic shapes: one graph per kind of token count
+            counts = [c for c in (counts[0], counts[-1]) if self.stats.compiled]
+            spans = [spans[0], spans[-1]]
+        built = self.stats.compilations
+        for span in spans:
+            for count in counts:
+                if count <= span:
+                    cache.length = span - count  # the forward ends at the span's last slot
+                    self.forward(ones.repeat(1, count), cache)
+        return self.stats.compilations - built
 
     def _graphs_built(self) -> int:
         """Graphs compiled (dynamo's count, of this process) or captured (CUDA graphs)."""
@@ -450,7 +480,7 @@ def _compile_choice(engine: TargetEngine, compile: str, tokens: int) -> EnginePa
         return EnginePath("eager engine", why)
     if compile == "true":
         return EnginePath("compiled", "engine.compile is true")
-    if engine.device.type == "cuda":
+    if graph_runner(engine.device) is not None:
         return EnginePath("compiled", "CUDA graphs capture in a few forwards")
     if not (shutil.which("g++") or shutil.which("c++")):
         return EnginePath("eager engine", "no C++ compiler on the PATH (inductor needs one)")

@@ -11,6 +11,7 @@ turns done, tokens/s and the running accept length.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +167,11 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
     comparison, tokenizer, path = build_comparison(cfg, turns)
     device = cfg.target.device
     hello = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}])
+    began = time.perf_counter()
+    prepared = comparison.prepare(longest_sequence(questions, tokenizer, bc))
+    prepare_seconds = time.perf_counter() - began
     warm_up_seconds = comparison.warm_up(torch.tensor([hello], device=device))
+    built = comparison.engine.stats.compilations if comparison.engine else 0
     decoder = comparison.decoder
     tally = BenchTally(num_steps=decoder.num_steps)
     progress = tqdm(total=turns, desc="bench", unit="turn")
@@ -203,11 +208,40 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
     result["engine"] = {"path": path.path, "why": path.why}
     if comparison.engine is not None:
         engine = comparison.engine.stats.as_dict()
-        result["engine"] |= {**engine, "warm_up_seconds": round(warm_up_seconds, 1)}
+        result["engine"] |= {
+            **engine,
+            "warm_up_seconds": round(warm_up_seconds, 1),
+            # graphs built before timing (the longest turn's buffers), and during the turns
+            "prepared_graphs": prepared,
+            "prepare_seconds": round(prepare_seconds, 1),
+            "graphs_in_timed_turns": comparison.engine.stats.compilations - built,
+        }
         if decoder.draft_engine is not None:  # the draft's CUDA graphs
             result["engine"]["draft_graphs"] = decoder.draft_engine.captures
     write_report(result, cfg.bench_dir)
     return result
+
+
+SEQUENCE_SLACK = 16
+"""Tokens a turn may add to a question's bound: an answer decoded to text and tokenized again
+in the next turn's prompt need not split the same way."""
+
+
+def longest_sequence(questions, tokenizer, bc) -> int:
+    """A bound on the tokens of any sequence the bench runs: each question's turns with empty
+    answers in the chat template, plus ``max_new_tokens`` (and :data:`SEQUENCE_SLACK`) a
+    turn."""
+    longest = 0
+    for question in questions:
+        messages = (
+            [] if bc.system_prompt is None else [{"role": "system", "content": bc.system_prompt}]
+        )
+        for text in question.turns:
+            messages += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+        turns = len(question.turns)
+        tokens = len(prompt_ids(tokenizer, messages[:-1]))
+        longest = max(longest, tokens + turns * (bc.max_new_tokens + SEQUENCE_SLACK))
+    return longest
 
 
 def _by_bin(calibration: ConfidenceCalibration) -> list[float]:

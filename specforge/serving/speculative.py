@@ -183,11 +183,28 @@ class SpeculativeDecoder:
         )
         return self.policy.costs
 
+    @torch.no_grad()
+    def prepare(self, tokens: int) -> int:
+        """Before anything is timed, for sequences of up to ``tokens`` tokens (prompt and
+        output): the engines' buffers taken once and every graph their forwards will need
+        built (:meth:`TargetEngine.prepare`, :meth:`DraftEngine.prepare`), so that no turn
+        captures or compiles. Returns the graphs built (none without an engine)."""
+        if self.engine is None:
+            return 0
+        built = self.engine.prepare(tokens + self._widest, range(1, self._widest + 1))
+        if self.draft_engine is not None:
+            built += self.draft_engine.prepare(tokens + self.num_steps + 1)
+        return built
+
     def _new_target_cache(self, tokens: int):
         """An empty target cache with room for ``tokens`` plus the widest verification."""
+        return self.verifier.new_cache(tokens, self._widest)
+
+    @property
+    def _widest(self) -> int:
+        """The most tokens a round's verification forward runs."""
         siblings = self.policy.max_siblings if self.auto else 0
-        widest = 1 + max(self._widest_chain, self.num_draft_tokens or 0) + siblings
-        return self.verifier.new_cache(tokens, widest)
+        return 1 + max(self._widest_chain, self.num_draft_tokens or 0) + siblings
 
     @property
     def _widest_chain(self) -> int:

@@ -10,12 +10,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from specforge.engine.draft import DraftEngine
 from specforge.engine.host_sync import host_sync
 from specforge.engine.target import TargetEngine, build_engine
 from specforge.errors import UserError
+from specforge.models.eagle3 import Eagle3Config, build_draft_model
 from specforge.serving.speculative import SpeculativeDecoder
 from tests.architectures import tiny_config
-from tests.helpers import StubDraft, greedy_reference, make_tiny_llama
+from tests.engine.fake_graphs import use_fake_graphs
+from tests.helpers import StubDraft, greedy_reference, make_tiny_llama, tiny_draft
 
 VOCAB = 96
 AUX = [1, 1, 0]
@@ -77,6 +80,36 @@ def test_dynamic_rope_is_found_before_compiling_and_decodes_eagerly():
     prompt = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
     reference = greedy_reference(target, prompt, 30)[20:]
     assert engine.generate(prompt, max_new_tokens=30) == reference
+
+
+def test_a_draft_that_reads_the_host_runs_eagerly_beside_the_targets_graphs(monkeypatch, caplog):
+    """A draft whose RoPE rescales (dynamic) cannot be captured: the runtime finds it before any
+    capture, names the layer, and runs the draft's forwards eagerly while the target's forwards
+    replay graphs (the suite's CPU model of them: a capture that syncs would raise)."""
+    use_fake_graphs(monkeypatch)
+    target, plain = tiny_draft(seed=5)
+    config = Eagle3Config.from_target(target.config, draft_vocab_size=32)
+    config.max_position_embeddings = 24
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    draft = build_draft_model(
+        config,
+        target_embedding=target.get_input_embeddings().weight,
+        target_lm_head=target.get_output_embeddings().weight,
+        d2t=plain.d2t,
+        t2d=plain.t2d,
+        seed=5,
+    )
+    assert DraftEngine(plain, graphs=True).host_sync() is None
+    sync = DraftEngine(draft, graphs=True).host_sync()
+    assert sync is not None and sync.module == "rotary_emb (LlamaRotaryEmbedding)"
+    engine = TargetEngine(target, aux_layer_ids=AUX, compile=True)
+    with caplog.at_level(logging.WARNING):
+        decoder = SpeculativeDecoder(target, draft, aux_layer_ids=AUX, num_steps=3, engine=engine)
+    assert engine.graphs and decoder.draft_engine is None
+    assert "the draft's forwards run eagerly" in caplog.text and "rotary_emb" in caplog.text
+    prompt = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
+    tokens, _ = decoder.generate(prompt, max_new_tokens=12)  # past the rescaling point
+    assert tokens == greedy_reference(target, prompt, 12)[20:]
 
 
 def test_a_plain_loop_makes_no_host_sync_and_the_detector_sees_item():

@@ -84,6 +84,8 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
     assert result["settings"]["engine_compile"] == "true" and engine["compiled"] is True
     assert engine["path"] == "compiled" and engine["why"] == "engine.compile is true"
     assert 1 <= engine["compilations"] <= 2 and engine["warm_up_seconds"] > 0
+    # compiled before anything was timed (the longest turn's buffers taken first)
+    assert engine["prepared_graphs"] >= 1 and engine["graphs_in_timed_turns"] == 0
     assert result["engine_all_match"] is True and result["speedup_vs_hf_generate"] > 0
     assert "the target alone through the same engine, compiled" in report
     assert result["tokens_per_s"]["target"] > 0 and result["tokens_per_s"]["target_hf"] > 0
