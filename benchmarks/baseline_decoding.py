@@ -27,10 +27,10 @@ import torch
 from specforge.config import load_config
 from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.questions import load_questions, resolve_question_set
+from specforge.engine.cpu.packed_linear import default_linears
 from specforge.engine.target import TargetEngine
 from specforge.models.adapter import text_config
 from specforge.models.kv_cache import cache_kwargs, growing_cache
-from specforge.models.packed_linear import default_linears
 from specforge.models.target import default_aux_layer_ids, load_target
 from specforge.results import write_result
 from specforge.serving.bench import compiled_generate_kwargs, greedy_generate

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from verify_cost import median_ms
 
-from specforge.engine.decode_kernel import kernel_decode_attention, load_decode_kernel
+from specforge.engine.cpu.decode_kernel import kernel_decode_attention, load_decode_kernel
 from specforge.results import write_result
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3-8b": (32, 8, 128)}

@@ -45,7 +45,7 @@ from specforge.data.vocab import build_vocab_map, count_token_frequencies
 from specforge.distill.regenerate import regenerate_conversations
 from specforge.distill.synthesize import synthesize_conversations
 from specforge.engine import generation
-from specforge.engine.decode_kernel import load_decode_kernel
+from specforge.engine.cpu.decode_kernel import load_decode_kernel
 from specforge.engine.generation import CPU_ROWS_PER_SPAN, default_rows_per_span
 from specforge.io import read_jsonl
 from specforge.models.target import embedded_target_dir, load_target

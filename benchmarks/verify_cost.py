@@ -15,7 +15,7 @@ bfloat16 (both prepacked) and bfloat16 with int8 weights (``bench.draft_quantize
 ``--engine``, the same verification costs through the engine the bench runs
 (:class:`~specforge.engine.target.TargetEngine`, its cache written by slot), eager (its
 linears prepacked), compiled with PyTorch's default linear and compiled with row buckets
-(``specforge/models/packed_linear.py``), timed in turn call by call. Prints a table and writes
+(``specforge/engine/cpu/packed_linear.py``), timed in turn call by call. Prints a table and writes
 JSON.
 """
 
@@ -33,9 +33,9 @@ import torch
 
 from specforge.config import TORCH_DTYPES, TargetConfig, torch_dtype
 from specforge.engine.cache import crop_cache
+from specforge.engine.cpu.int8_linear import int8_linear_available, quantize_linears
+from specforge.engine.cpu.packed_linear import PackedLinear, default_linears, prepack_linears
 from specforge.models.eagle3 import DraftKVCache, Eagle3Config, build_draft_model
-from specforge.models.int8_linear import int8_linear_available, quantize_linears
-from specforge.models.packed_linear import PackedLinear, default_linears, prepack_linears
 from specforge.models.target import default_aux_layer_ids, load_target
 from specforge.results import write_result
 from specforge.serving.speculative import SpeculativeDecoder
@@ -173,7 +173,7 @@ def main() -> None:
         return 1000 * statistics.median(times[1:])
 
     # the draft as the bench may load it (bench.draft_dtype, bench.draft_quantize): float32 and
-    # bfloat16 prepacked, bfloat16 with int8 weights (models/int8_linear.py)
+    # bfloat16 prepacked, bfloat16 with int8 weights (engine/cpu/int8_linear.py)
     forms = {"float32": copy.deepcopy(draft).float(), "bfloat16": copy.deepcopy(draft).bfloat16()}
     if int8_linear_available():
         forms["bfloat16, int8 weights"] = copy.deepcopy(draft).bfloat16()
@@ -183,7 +183,7 @@ def main() -> None:
     extension_ms = {name: extension_after_verification_ms(form) for name, form in forms.items()}
     # PyTorch's default linear, then the same models with their linears prepacked (the
     # runtime's default on CPU in float32, as the bench loads them; see
-    # specforge/models/packed_linear.py)
+    # specforge/engine/cpu/packed_linear.py)
     prepack_linears(draft)
     with default_linears(target), default_linears(draft):
         kernels = {"default": timings()}

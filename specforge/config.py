@@ -57,7 +57,7 @@ def bfloat16_is_fast(device: str) -> bool:
 
 def int8_linear_available() -> bool:
     """Whether this PyTorch has the weight-only int8 kernel that ``bench.draft_quantize: int8``
-    multiplies with (:mod:`specforge.models.int8_linear`)."""
+    multiplies with (:mod:`specforge.engine.cpu.int8_linear`)."""
     return hasattr(torch, "_weight_int8pack_mm")
 
 
@@ -133,7 +133,7 @@ class TargetConfig:
     prepack_linear: bool = True
     """On CPU in ``float32``, run the calls of up to 32 rows (decoding, verification, draft
     steps) of the linear layers with at least 2^18 weights on weights oneDNN reordered once
-    (results agree to rounding, see ``specforge/models/packed_linear.py``); in ``bfloat16``,
+    (results agree to rounding, see ``specforge/engine/cpu/packed_linear.py``); in ``bfloat16``,
     where the CPU runs it natively, calls of up to 2048 rows. Smaller layers, larger calls and
     other devices or dtypes keep PyTorch's default. ``false`` keeps it everywhere."""
 
@@ -234,7 +234,7 @@ class RegenerateConfig:
     own kernel launches (256 rows: 16 attention calls a layer instead of one)."""
     decode_kernel: Literal["auto", "on", "off"] = "auto"
     """``continuous`` on CPU: decode steps' attention through specforge's AVX-512 kernel
-    (:mod:`specforge.engine.decode_kernel`, built on first use with the system's C++ compiler
+    (:mod:`specforge.engine.cpu.decode_kernel`, built on first use with the system's C++ compiler
     and kept under ``TORCH_EXTENSIONS_DIR``): ``auto`` where it builds and applies, else
     PyTorch's SDPA with a warning naming why; ``on``: an error instead of that fallback;
     ``off``: SDPA. Outputs agree with SDPA's to float rounding."""
@@ -712,7 +712,7 @@ class BenchConfig:
     (CUDA, or a CPU with AMX or AVX512-BF16), else ``float32``."""
     draft_quantize: Literal["auto", "int8", "none"] = "auto"
     """How the built-in runtime stores the draft's linear weights. ``int8``: int8 with one
-    scale per output row, computed in bfloat16 (:mod:`specforge.models.int8_linear`; needs
+    scale per output row, computed in bfloat16 (:mod:`specforge.engine.cpu.int8_linear`; needs
     ``draft_dtype`` bfloat16 on a CPU): half the bytes a draft step reads. Like ``draft_dtype`` it
     changes only the proposals, never the outputs. ``auto``: ``int8`` where the draft runs in
     bfloat16 on a CPU that runs bfloat16 fast (as ``draft_dtype``'s ``auto`` decides) and this

@@ -32,7 +32,7 @@ SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<pad>"]
 
 
 EVERY_KERNEL_PLAN = (0, 2, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 0)
-"""A row plan (``specforge.models.packed_linear.PLAN_ROWS``) naming every kernel: one row by
+"""A row plan (``specforge.engine.cpu.packed_linear.PLAN_ROWS``) naming every kernel: one row by
 oneDNN, 2-3 by the default, 4-8 by MKL's 8-row bucket, 9-16 by oneDNN, more by the default; what
 the compiled engine's tests run, whatever this CPU measures fastest."""
 
@@ -248,7 +248,7 @@ def kernel_or_skip() -> None:
     compiler), naming why."""
     import pytest
 
-    from specforge.engine.decode_kernel import load_decode_kernel
+    from specforge.engine.cpu.decode_kernel import load_decode_kernel
 
     kernel, why = load_decode_kernel()
     if kernel is None:

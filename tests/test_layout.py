@@ -19,6 +19,7 @@ LAYERS = {
     "specforge.serving": 4,
     "specforge.distill": 4,
     "specforge.engine": 3,
+    "specforge.engine.cpu": 1,
     "specforge.models": 2,
     "specforge.data": 1,
     "specforge.config": 0,
@@ -31,7 +32,9 @@ LAYERS = {
 }
 """``scripts -> cli -> recipes -> {trainer, serving, distill} -> engine -> models -> data ->
 {config, io, errors, distributed}``: a module imports only from lower layers, or from its own
-package (without cycles); ``trainer``, ``serving`` and ``distill`` never import each other."""
+package (without cycles); ``trainer``, ``serving`` and ``distill`` never import each other. The
+CPU kernels (``engine.cpu``) sit beside ``data``: torch and the lowest layer only, so the
+models' loader may prepack with them."""
 
 MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS: dict[str, str] = {}

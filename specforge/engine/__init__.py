@@ -17,8 +17,8 @@ self-distillation, evaluation) and :mod:`specforge.models`.
   by the target's engine), the free baseline the bench measures a draft against;
 - :mod:`specforge.engine.generation`: continuous batching (rows join and leave a running
   batch), sampling (temperature, nucleus), the automatic rows in flight;
-- :mod:`specforge.engine.decode_kernel`: the CPU decode-attention kernel (AVX-512), which
-  generation hands the model's forward as ``decode_kernel``.
+- :mod:`specforge.engine.cpu`: the CPU kernels (decode attention, prepacked and row-planned
+  linears, int8 linears), one optional part below the models.
 
 The KV cache types the model forwards themselves read and write (the draft's in-place cache,
 HF cache helpers) live in :mod:`specforge.models.kv_cache`, below, since ``models`` uses them.

@@ -34,7 +34,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from specforge.data.chat import left_padded
-from specforge.engine.decode_kernel import check_decode_kernel_mode, decode_attention_for
+from specforge.engine.cpu.decode_kernel import check_decode_kernel_mode, decode_attention_for
 from specforge.models.kv_cache import (
     GrowingKVLayer,
     RowSpan,
@@ -172,7 +172,7 @@ class GenerationSettings:
     None: :func:`default_rows_per_span` for the model's device."""
     decode_kernel: str = "auto"
     """Decode steps' attention on CPU
-    (:data:`~specforge.engine.decode_kernel.DECODE_KERNEL_MODES`)."""
+    (:data:`~specforge.engine.cpu.decode_kernel.DECODE_KERNEL_MODES`)."""
     cuda_graphs: bool = True
     """On a CUDA device, batch through the engine's slot cache with each decode step replayed
     as a CUDA graph (:func:`~specforge.engine.batch.batcher_for`)."""

@@ -23,6 +23,7 @@ where the run repays the compilation.
 
 from __future__ import annotations
 
+import copy
 import logging
 import shutil
 import time
@@ -33,9 +34,10 @@ import torch
 from torch import nn
 
 from specforge.engine.cache import SPAN_STEP, SlotKVCache, SlotKVPool, whole_spans
+from specforge.engine.cpu.packed_linear import PackedLinear, describe_plan
+from specforge.engine.cpu.row_buckets import bucket_linears
 from specforge.engine.graphs import CAPTURE_BACKENDS, CudaGraphs, graph_runner
 from specforge.engine.host_sync import HostSync, host_sync
-from specforge.engine.row_buckets import bucket_linears
 from specforge.errors import UserError
 from specforge.models.adapter import (
     architecture,
@@ -45,7 +47,6 @@ from specforge.models.adapter import (
     text_config,
 )
 from specforge.models.kv_cache import cache_kwargs, growing_cache
-from specforge.models.packed_linear import PackedLinear, describe_plan
 from specforge.models.target import GROUPED_SDPA, check_aux_layer_ids, target_hidden_states
 
 logger = logging.getLogger(__name__)
@@ -96,9 +97,9 @@ class EngineStats:
     """Wall time of forwards that compiled a graph (the warm-up a user waits for)."""
     row_buckets: int = 0
     """Linear layers whose compiled calls follow a row plan
-    (:func:`~specforge.engine.row_buckets.bucket_linears`; compiled on a CPU, float32)."""
+    (:func:`~specforge.engine.cpu.row_buckets.bucket_linears`; compiled on a CPU, float32)."""
     row_plan: dict[str, str] = field(default_factory=dict)
-    """Their kernel by row count (:func:`~specforge.models.packed_linear.describe_plan`)."""
+    """Their kernel by row count (:func:`~specforge.engine.cpu.packed_linear.describe_plan`)."""
     attention_backends: list[str] = field(default_factory=list)
     """The SDPA kernels a captured forward may use (CUDA graphs only:
     :data:`~specforge.engine.graphs.CAPTURE_BACKENDS`); empty: SDPA's own choice."""
@@ -127,7 +128,7 @@ class TargetEngine:
             CUDA device as CUDA graphs (:class:`~specforge.engine.graphs.CudaGraphs`).
         row_buckets: compiled on a CPU, give the layers' float32 linears row buckets with
             the plan measured fastest here, or with the plan given
-            (:func:`~specforge.engine.row_buckets.bucket_linears`); off: PyTorch's default
+            (:func:`~specforge.engine.cpu.row_buckets.bucket_linears`); off: PyTorch's default
             product, a comparison's baseline.
 
     Raises:
@@ -182,14 +183,17 @@ class TargetEngine:
             self._run = torch.compile(self._layers, dynamic=True, fullgraph=True)
 
     def _bucket(self, row_buckets: bool | tuple[int, ...]) -> None:
+        """Row plans for the engine's own copy of the layers (the model's, which HF
+        ``generate`` and every other caller run, keep their modules)."""
         if row_buckets is False:
             return
-        plan = bucket_linears(self.layers, None if row_buckets is True else row_buckets)
-        if plan:
-            self._bucketed = [
-                m for m in self.layers.modules() if isinstance(m, PackedLinear) and m._plan
-            ]
-            self.stats.row_buckets, self.stats.row_plan = len(self._bucketed), describe_plan(plan)
+        layers = shared_copy(self.layers)
+        plan = bucket_linears(layers, None if row_buckets is True else row_buckets)
+        if not plan:
+            return
+        self.layers = layers
+        self._bucketed = [m for m in layers.modules() if isinstance(m, PackedLinear) and m._plan]
+        self.stats.row_buckets, self.stats.row_plan = len(self._bucketed), describe_plan(plan)
 
     @property
     def graphs(self) -> bool:
@@ -408,6 +412,19 @@ class TargetEngine:
             logits, _ = self.forward(token, cache)
             output.append(int(logits[-1].argmax()))
         return output
+
+
+def shared_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s tree of modules sharing every tensor with it (parameters, buffers
+    and the tensors a module keeps as attributes, such as packed weights): a module swapped or
+    repacked in the copy leaves the original as it was, at no cost in weights."""
+    memo = {}
+    for child in module.modules():
+        for value in (*child._parameters.values(), *child._buffers.values(), *vars(child).values()):
+            for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(tensor, torch.Tensor):
+                    memo[id(tensor)] = tensor
+    return copy.deepcopy(module, memo)
 
 
 COMPILED_SAVING = 0.43

@@ -358,7 +358,7 @@ class Eagle3DraftModel(nn.Module):
 
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """(B, T, 3 * Ht) target aux states -> (B, T, H) draft hidden stream."""
-        # the draft's dtype from its norm: fc may hold int8 weights (models.int8_linear)
+        # the draft's dtype from its norm: fc may hold int8 weights (engine.cpu.int8_linear)
         aux = aux_hidden_states.to(self.norm.weight.dtype)
         if self.config.fc_norm:
             # (B, T, 3 * Ht) -> 3 x (B, T, Ht), each normed on its own -> (B, T, 3 * Ht)

@@ -25,6 +25,7 @@ from torch import nn
 
 from specforge.config import TargetConfig, resolve_auto_dtype, torch_dtype
 from specforge.distributed import check_device
+from specforge.engine.cpu.packed_linear import prepack_linears
 from specforge.errors import UserError
 from specforge.io import atomic_directory, require_local
 from specforge.models.adapter import (
@@ -39,7 +40,6 @@ from specforge.models.adapter import (
     text_config,
 )
 from specforge.models.kv_cache import cache_kwargs
-from specforge.models.packed_linear import prepack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def grouped_sdpa_attention(
     ``row_spans`` (:data:`~specforge.models.kv_cache.RowSpan` list, continuous batching) splits the
     batch, each span reading only its last columns; ``decode_kernel``, a function
     ``(query, key, value, mask, scaling) -> output or None``
-    (:func:`specforge.engine.decode_kernel.decode_attention_for`), runs a one-position step
+    (:func:`specforge.engine.cpu.decode_kernel.decode_attention_for`), runs a one-position step
     (None: this function's own attention). A decode step (one
     query position) with a mask packs each key head's group of query heads as its query
     positions, as HF's ``sdpa`` does (bit-identical): PyTorch's CPU flash kernel runs one query
@@ -401,7 +401,7 @@ def load_target(
         ``(model, tokenizer)``; the model is in eval mode with gradients off, its ``sdpa``
         attention grouped (:func:`use_grouped_sdpa`) unless ``target.attn_implementation``
         names one, and, on CPU in float32, its linear layers prepacked for few-row calls
-        (:func:`~specforge.models.packed_linear.prepack_linears`) unless
+        (:func:`~specforge.engine.cpu.packed_linear.prepack_linears`) unless
         ``target.prepack_linear`` is off.
 
     Raises:

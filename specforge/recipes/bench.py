@@ -21,12 +21,12 @@ from tqdm import tqdm
 from specforge.config import BenchConfig, SpecForgeConfig, to_dict, torch_dtype
 from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.questions import ask_turns, load_questions, resolve_question_set
+from specforge.engine.cpu.int8_linear import quantize_linears
+from specforge.engine.cpu.packed_linear import prepack_linears
 from specforge.engine.target import EnginePath, build_engine
 from specforge.errors import UserError
 from specforge.io import read_json
 from specforge.models.adapter import text_config
-from specforge.models.int8_linear import quantize_linears
-from specforge.models.packed_linear import prepack_linears
 from specforge.models.target import load_target, load_tokenizer
 from specforge.recipes.stage import start_stage
 from specforge.serving.adaptive import ConfidenceCalibration

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specforge.engine.decode_kernel import (
+from specforge.engine.cpu.decode_kernel import (
     NAME,
     build_decode_kernel,
     build_directory,
@@ -101,7 +101,7 @@ def test_kernel_on_refuses_what_it_cannot_run():
 def start_build(directory):
     """The build subprocess the loader runs, started by hand so that a test can kill it."""
     return subprocess.Popen(
-        [sys.executable, "-m", "specforge.engine.decode_kernel", str(directory)],
+        [sys.executable, "-m", "specforge.engine.cpu.decode_kernel", str(directory)],
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -140,7 +140,7 @@ def test_a_build_past_its_time_limit_is_stopped_and_named(tmp_path, monkeypatch)
 
 LOADER = """
 import sys
-from specforge.engine.decode_kernel import build_decode_kernel
+from specforge.engine.cpu.decode_kernel import build_decode_kernel
 for _ in range(int(sys.argv[1])):
     build_decode_kernel()
 """

@@ -2,16 +2,22 @@
 eager and compiled, equal to transformers' own decoding (greedy, float32) for the target alone
 and for the speculative runtime (chain, tree, ``auto``), within two compiled graphs."""
 
+import functools
+import logging
+
 import pytest
 import torch
 
 from specforge.engine.cache import SPAN_STEP, SlotKVCache, gather_cache, key_span
+from specforge.engine.cpu import decode_kernel, row_buckets
+from specforge.engine.cpu.packed_linear import PackedLinear
+from specforge.engine.cpu.row_buckets import row_buckets_missing
+from specforge.engine.generation import ContinuousBatcher, GenerationSettings, Request
 from specforge.engine.prompt_lookup import (
     longest_match,
     ngram_candidates,
     prompt_lookup_generate,
 )
-from specforge.engine.row_buckets import row_buckets_missing
 from specforge.engine.target import TargetEngine, build_engine
 from specforge.errors import UserError
 from specforge.serving.speculative import SpeculativeDecoder
@@ -92,6 +98,45 @@ def test_a_multi_turn_run_compiles_no_more_than_the_bounded_shapes(target, compi
     # float32 on a CPU: every layer's linears ran their calls through the row plan
     linears = sum(isinstance(m, torch.nn.Linear) for m in compiled.layers.modules())
     assert linears > 0 and compiled.stats.row_buckets == (0 if row_buckets_missing() else linears)
+
+
+def test_row_plans_go_to_the_engines_own_layers_never_the_models():
+    """The compiled engine swaps and repacks linears in its own copy of the layers, which shares
+    their weights: the model HF ``generate`` (the bench's reference) runs keeps its modules."""
+    model = make_tiny_llama(VOCAB, num_layers=2, seed=3).float().requires_grad_(False)
+    before = {name: type(module) for name, module in model.named_modules()}
+    engine = TargetEngine(model, aux_layer_ids=AUX, compile=True, row_buckets=EVERY_KERNEL_PLAN)
+    assert {name: type(module) for name, module in model.named_modules()} == before
+    if row_buckets_missing():
+        assert engine.layers is model.model.layers and engine.stats.row_buckets == 0
+        return
+    assert engine.layers is not model.model.layers
+    ours, theirs = engine.layers[0].mlp.up_proj, model.model.layers[0].mlp.up_proj
+    assert isinstance(ours, PackedLinear) and ours._plan is not None
+    assert type(theirs) is torch.nn.Linear and ours.weight is theirs.weight
+
+
+def test_without_the_cpu_kernels_every_path_keeps_pytorchs_own(monkeypatch, caplog):
+    """The CPU kernels are optional: where their C++ cannot be built, the compiled engine keeps
+    the model's layers (no row plan), decode attention in ``auto`` falls back to SDPA with a
+    warning (``on`` refuses), and batched generation decodes as HF ``generate``."""
+    why = "building it failed (RuntimeError: no C++ compiler)"
+    monkeypatch.setattr(row_buckets, "row_buckets_missing", lambda: why)
+    monkeypatch.setattr(decode_kernel, "load_decode_kernel", lambda: (None, why))
+    model = make_tiny_llama(VOCAB, num_layers=2, seed=3).float().requires_grad_(False)
+    engine = TargetEngine(model, aux_layer_ids=AUX, compile=True)
+    assert engine.stats.row_buckets == 0 and engine.layers is model.model.layers
+    query, key = torch.randn(1, 4, 1, 64), torch.randn(1, 4, 9, 64)
+    attend = functools.partial(decode_kernel.kernel_decode_attention, query, key, key, None)
+    with caplog.at_level(logging.WARNING):
+        assert attend(None, mode="auto") is None
+    assert "no C++ compiler" in caplog.text
+    with pytest.raises(UserError, match="no C\\+\\+ compiler"):
+        attend(None, mode="on")
+    settings = GenerationSettings(max_new_tokens=6, eos_ids=[], pad_id=0, decode_kernel="auto")
+    prompt = prompts(1)[0]
+    [completion] = ContinuousBatcher(model, settings).run([Request(0, prompt[0].tolist())])
+    assert completion.tokens == greedy_reference(model, prompt, 6)[prompt.shape[1] :]
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])

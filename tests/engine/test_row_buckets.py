@@ -11,15 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specforge.engine.row_buckets import (
-    MAX_BUCKET_BYTES,
-    bucket_linears,
-    measure_plan,
-    row_buckets_missing,
-)
-from specforge.engine.target import TargetEngine
-from specforge.errors import UserError
-from specforge.models.packed_linear import (
+from specforge.engine.cpu.packed_linear import (
     DEFAULT,
     KERNEL_NAMES,
     MKL_BUCKET,
@@ -29,6 +21,14 @@ from specforge.models.packed_linear import (
     PackedLinear,
     describe_plan,
 )
+from specforge.engine.cpu.row_buckets import (
+    MAX_BUCKET_BYTES,
+    bucket_linears,
+    measure_plan,
+    row_buckets_missing,
+)
+from specforge.engine.target import TargetEngine
+from specforge.errors import UserError
 from tests.helpers import EVERY_KERNEL_PLAN, make_tiny_llama
 
 pytestmark = pytest.mark.skipif(
@@ -163,7 +163,7 @@ def test_weights_that_may_change_or_do_not_fit_get_no_buckets(monkeypatch):
     assert bucket_linears(mixed, EVERY_KERNEL_PLAN) and type(mixed[1]) is Scaled
     assert isinstance(mixed[0], PackedLinear) and mixed[0]._plan == EVERY_KERNEL_PLAN
     weights = sum(p.numel() * 4 for p in frozen_linears(bias=True).parameters() if p.dim() == 2)
-    monkeypatch.setattr("specforge.engine.row_buckets.MAX_BUCKET_BYTES", 2 * weights)
+    monkeypatch.setattr("specforge.engine.cpu.row_buckets.MAX_BUCKET_BYTES", 2 * weights)
     assert bucket_linears(frozen_linears(bias=True)) == ()  # three copies would not fit
     assert MAX_BUCKET_BYTES >= 3 * 135_000_000 * 4  # SmolLM2 in float32 fits
 

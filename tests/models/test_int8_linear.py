@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from specforge.models.int8_linear import (
+from specforge.engine.cpu.int8_linear import (
     INT8_MAX,
     Int8Linear,
     int8_linear_available,

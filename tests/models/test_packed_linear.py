@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specforge.models.packed_linear import (
+from specforge.engine.cpu.packed_linear import (
     MAX_PACKED_ROWS,
     MAX_PACKED_ROWS_AVX512,
     MAX_PACKED_ROWS_BF16,

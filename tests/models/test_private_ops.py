@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specforge.config import int8_linear_available
-from specforge.models.packed_linear import packed_linear_available
+from specforge.engine.cpu.packed_linear import packed_linear_available
 
 PINNED = {
     "mkldnn::_linear_pointwise": (

@@ -7,11 +7,11 @@ import torch
 from scipy.stats import chisquare
 
 from specforge.data.vocab import build_vocab_map
+from specforge.engine.cpu.int8_linear import int8_linear_available, quantize_linears
 from specforge.engine.generation import NUCLEUS_CANDIDATES, warp_probs
 from specforge.engine.target import TargetEngine
 from specforge.models.dflash import DFlashConfig, build_dflash_model
 from specforge.models.eagle3 import Eagle3Config, build_draft_model
-from specforge.models.int8_linear import int8_linear_available, quantize_linears
 from specforge.serving.sampling import accept_chain_sampling, accept_tree_sampling
 from specforge.serving.speculative import SpeculativeDecoder
 from specforge.serving.tree import DraftTree

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specforge.models.int8_linear import int8_linear_available, quantize_linears
-from specforge.models.packed_linear import prepack_linears
+from specforge.engine.cpu.int8_linear import int8_linear_available, quantize_linears
+from specforge.engine.cpu.packed_linear import prepack_linears
 from specforge.serving.speculative import SpeculativeDecoder
 from tests.helpers import StubDraft, greedy_reference, make_tiny_llama, tiny_draft
 

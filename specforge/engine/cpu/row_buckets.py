@@ -12,13 +12,14 @@ how fast that is depends on the CPU:
   graphs) read it once: 2.6-2.9 ms at 4-16 rows.
 - On a 2-core Zen 5 EPYC (AVX512-BF16), MKL read SmolLM2's weights at about half oneDNN's
   bandwidth: its 210 linears took 23 ms a token inside the compiled graph, where oneDNN's
-  product over weights reordered once (the eager engine's, :mod:`specforge.models.packed_linear`)
-  took ~10, and through the compiled engine 2-3 tokens cost 1.4-1.6 times one
+  product over weights reordered once (the eager engine's,
+  :mod:`specforge.engine.cpu.packed_linear`) took ~10, and through the compiled engine 2-3
+  tokens cost 1.4-1.6 times one
   (``docs/results/verify_cost_row_plan_cpu.json``). There MKL's row buckets were slower than
   the default.
 
 How: :func:`bucket_linears` packs every linear layer of the engine's decoder both ways (MKL
-for :data:`~specforge.models.packed_linear.ROW_BUCKETS`, 8 and 16 rows; oneDNN), times one
+for :data:`~specforge.engine.cpu.packed_linear.ROW_BUCKETS`, 8 and 16 rows; oneDNN), times one
 pass over all of them with each kernel at 1, 2, 3, 4, 8, 16 and 32 rows (:data:`MEASURED_ROWS`;
 a second or two for SmolLM2), and keeps a plan, the fastest kernel for each row count,
 dropping the packings it does not use. Inside a compiled graph a float32 call runs
@@ -27,7 +28,7 @@ bucket pads the rows with zeros to the first bucket that holds them, oneDNN take
 The op is opaque to inductor, which cannot lower a packed product whose weight is an input
 rather than a frozen constant, and keeps the row count dynamic, so the engine's graphs stay the
 same two; the one-row graph calls it only where the plan's one-row kernel is not the default.
-It is C++ (built with the decode attention kernel, :mod:`specforge.engine.decode_kernel`): a
+It is C++ (built with the decode attention kernel, :mod:`specforge.engine.cpu.decode_kernel`): a
 Python kernel cost ~0.1 ms a call, 20 ms a forward of SmolLM2's 210 layers. Linear layers of
 other classes (quantized ones, say) are left as they are.
 
@@ -49,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specforge.engine.decode_kernel import load_kernel_module
-from specforge.models.packed_linear import (
+from specforge.engine.cpu.decode_kernel import load_kernel_module
+from specforge.engine.cpu.packed_linear import (
     DEFAULT,
     MKL_BUCKET,
     ONEDNN,
@@ -108,7 +109,7 @@ def _pass_seconds(linears: list[PackedLinear], rows: int, kernel: int | None) ->
 
 def measure_plan(linears: list[PackedLinear], repeats: int = 3) -> tuple[int, ...]:
     """The fastest kernel for each row count over ``linears`` (packed by
-    :meth:`~specforge.models.packed_linear.PackedLinear.pack_row_buckets`) on this CPU: the
+    :meth:`~specforge.engine.cpu.packed_linear.PackedLinear.pack_row_buckets`) on this CPU: the
     best of ``repeats`` passes over all of them (weights read from memory, as a forward reads
     them) with each kernel at each of :data:`MEASURED_ROWS` rows. The op replaces PyTorch's
     direct call only where it beats it by :data:`MARGIN`, counting its own cost, over the one
@@ -141,7 +142,7 @@ def measure_plan(linears: list[PackedLinear], repeats: int = 3) -> tuple[int, ..
 
 def bucket_linears(model: nn.Module, plan: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """Give every ``nn.Linear`` of a frozen float32 CPU ``model`` row buckets
-    (:meth:`~specforge.models.packed_linear.PackedLinear.pack_row_buckets`; a plain
+    (:meth:`~specforge.engine.cpu.packed_linear.PackedLinear.pack_row_buckets`; a plain
     ``nn.Linear`` is wrapped first, its eager calls left to the default) and a row plan:
     ``plan``, or the one :func:`measure_plan` finds. Returns the plan, or ``()`` where no
     layer takes one: the weights are not all frozen float32 on the CPU, their packed copies

@@ -43,10 +43,10 @@ or a graph being compiled.
 default product, which on some CPUs repacks the weight on every call of 4 or more rows and on
 others reads it at half oneDNN's memory bandwidth. A layer given row buckets
 (:meth:`PackedLinear.pack_row_buckets`, which
-:func:`specforge.engine.row_buckets.bucket_linears` calls) holds its weight packed by MKL for
+:func:`specforge.engine.cpu.row_buckets.bucket_linears` calls) holds its weight packed by MKL for
 :data:`ROW_BUCKETS` rows and reordered by oneDNN, and a compiled graph's float32 call runs the
 op ``specforge::bucket_linear`` with a plan: for each row count, the kernel measured fastest on
-this CPU (:mod:`specforge.engine.row_buckets` says why and what it measured).
+this CPU (:mod:`specforge.engine.cpu.row_buckets` says why and what it measured).
 """
 
 from __future__ import annotations
@@ -290,8 +290,8 @@ class PackedLinear(nn.Linear):
 
     def run_plan(self, x: torch.Tensor, plan: tuple[int, ...] | list[int]) -> torch.Tensor:
         """This layer over ``x`` through the op ``specforge::bucket_linear``
-        (``engine/csrc/bucket_linear.cpp``), each row count by ``plan``'s kernel: what a
-        compiled graph runs (and what :func:`~specforge.engine.row_buckets.measure_plan`
+        (``engine/cpu/csrc/bucket_linear.cpp``), each row count by ``plan``'s kernel: what a
+        compiled graph runs (and what :func:`~specforge.engine.cpu.row_buckets.measure_plan`
         times)."""
         (small, large), (small_rows, large_rows) = self._buckets or (None, None), ROW_BUCKETS
         onednn = self._packed if ONEDNN in plan[1:] else None

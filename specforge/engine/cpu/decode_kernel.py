@@ -3,7 +3,7 @@ first use with ``torch.utils.cpp_extension`` into a folder of its own
 (``<TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions>/specforge_decode_attention-<hash>``, the
 hash of the sources, the flags and the PyTorch version, so a changed kernel never meets an old
 build). The same module carries the row-bucket linear op of compiled verification graphs
-(``csrc/bucket_linear.cpp``, :mod:`specforge.engine.row_buckets`), so one build serves both.
+(``csrc/bucket_linear.cpp``, :mod:`specforge.engine.cpu.row_buckets`), so one build serves both.
 
 Why: self-distillation's continuous batching decodes one position for hundreds of rows a step,
 and PyTorch's CPU flash kernel runs that shape as many tiny matrix products. Per row and key
@@ -54,7 +54,7 @@ NAME = "specforge_decode_attention"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "decode_attention.cpp", CSRC / "bucket_linear.cpp"]
 """The module's sources: the attention kernel, and the row-bucket linear op
-(:mod:`specforge.engine.row_buckets`), built together so that one build serves both."""
+(:mod:`specforge.engine.cpu.row_buckets`), built together so that one build serves both."""
 HEAD_SIZES = (64, 128)
 MAX_GROUP = 8
 """Query heads per key head the kernel is built for (``1..MAX_GROUP``)."""
@@ -175,7 +175,7 @@ def load_decode_kernel() -> tuple[Callable | None, str | None]:
 @functools.cache
 def load_kernel_module():
     """``(the built module, None)``, or ``(None, why it is unavailable)``: the attention
-    kernel, and ``register_bucket_linear`` (:mod:`specforge.engine.row_buckets`)."""
+    kernel, and ``register_bucket_linear`` (:mod:`specforge.engine.cpu.row_buckets`)."""
     capability = torch.backends.cpu.get_cpu_capability()
     if platform.machine().lower() not in ("x86_64", "amd64") or not capability.startswith("AVX512"):
         return None, f"it needs an x86-64 CPU with AVX-512 (PyTorch reports {capability})"
