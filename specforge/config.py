@@ -658,8 +658,8 @@ class BenchConfig:
     """A running server's URL for ``engine: sglang`` or ``vllm``, e.g.
     ``http://127.0.0.1:30000``."""
     baseline_url: str | None = None
-    """``engine: vllm`` with ``url``: a running vLLM server of the same target without
-    speculation, the speedup's baseline (none: accept length only)."""
+    """``engine: sglang``, or ``vllm`` with ``url``: a running server (of the same engine) of the
+    same target without speculation, the speedup's baseline (none: accept length only)."""
     vllm_python: str | None = None
     """``engine: vllm`` without ``url``: the Python interpreter of an environment where vLLM is
     installed (e.g. ``~/vllm-venv/bin/python``); the bench launches vLLM's server with it twice,

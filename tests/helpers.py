@@ -256,10 +256,11 @@ def kernel_or_skip() -> None:
 
 
 @contextmanager
-def sglang_loopback(decoder) -> Iterator[tuple[str, dict[str, int]]]:
+def sglang_loopback(decoder, *, speculative: bool = True) -> Iterator[tuple[str, dict[str, int]]]:
     """A real HTTP server on loopback that speaks SGLang's ``/generate`` protocol, answering
     with ``decoder`` (a :class:`~specforge.serving.speculative.SpeculativeDecoder`): yields its
-    URL and the completion tokens and verifications it served."""
+    URL and the completion tokens and verifications it served. With ``speculative`` off it
+    answers as a server without a draft: the same (lossless) tokens, no speculative fields."""
     served = {"completion_tokens": 0, "spec_verify_ct": 0}
 
     class Handler(BaseHTTPRequestHandler):
@@ -268,10 +269,15 @@ def sglang_loopback(decoder) -> Iterator[tuple[str, dict[str, int]]]:
             ids = torch.tensor([body["input_ids"]])
             params = body["sampling_params"]
             tokens, stats = decoder.generate(ids, max_new_tokens=params["max_new_tokens"])
-            meta = {"completion_tokens": len(tokens), "spec_verify_ct": stats.verifications}
+            meta = {"completion_tokens": len(tokens)}
+            if speculative:
+                accepted = stats.accepted_per_round  # SGLang's: an entry per count 0 .. steps
+                histogram = [accepted.count(n) for n in range(decoder.num_steps + 1)]
+                meta |= {"spec_verify_ct": stats.verifications, "spec_accept_histogram": histogram}
+                served["spec_verify_ct"] += meta["spec_verify_ct"]
             served["completion_tokens"] += meta["completion_tokens"]
-            served["spec_verify_ct"] += meta["spec_verify_ct"]
-            payload = json.dumps({"text": "ok", "output_ids": tokens, "meta_info": meta}).encode()
+            text = " ".join(map(str, tokens))
+            payload = json.dumps({"text": text, "output_ids": tokens, "meta_info": meta}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(payload)))

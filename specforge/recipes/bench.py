@@ -265,4 +265,5 @@ def _bench_sglang(cfg: SpecForgeConfig, questions: str) -> dict[str, Any]:
         output=str(cfg.bench_dir),
         system_prompt=cfg.bench.system_prompt,
         limit=cfg.bench.limit,
+        baseline_url=cfg.bench.baseline_url,
     )
