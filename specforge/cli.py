@@ -268,7 +268,15 @@ STAGES = {
         _run_export,
         "write a checkpoint as the directory SGLang and vLLM load (LlamaForCausalLMEagle3, or "
         "DFlashDraftModel for a DFlash draft), checked against the contract",
-        ("export", "target.trust_remote_code", "output_dir"),
+        (
+            "export",
+            "target.trust_remote_code",
+            "output_dir",
+            "bench.url",
+            "bench.vllm_python",
+            "bench.questions",
+            "bench.agreement_margin",
+        ),
         positional=("export.checkpoint", "export.output"),
     ),
     "bench": Stage(

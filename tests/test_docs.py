@@ -23,6 +23,7 @@ from specforge.docgen import pages
 from specforge.errors import UserError
 from specforge.results import PROVENANCE_KEYS, load_results, write_result
 from tests.helpers import REPO, sglang_loopback
+from tests.serving.test_vllm_client import VLLM_PIN, vllm_rows
 
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RECIPES = sorted((REPO / "specforge" / "configs").glob("*.yaml"))
@@ -369,3 +370,8 @@ def test_the_wording_check_bites():
     assert CHRONICLE.search("(training failed at start-up; fixed)")
     assert CHRONICLE.search("one after the other, nothing else running")
     assert not CHRONICLE.search("a release of vLLM")
+
+
+def test_the_engine_table_lists_the_vllm_the_suite_pins():
+    """docs/export-and-serving.md names the vLLM version the suite serves exports with."""
+    assert f"| {VLLM_PIN.split('==')[1]} |" in vllm_rows()

@@ -14,11 +14,13 @@ from pathlib import Path
 
 from specforge.config import SpecForgeConfig, TargetConfig, from_dict
 from specforge.errors import UserError
-from specforge.io import iter_jsonl
+from specforge.io import iter_jsonl, read_json, write_json_atomic
+from specforge.models.adapter import text_config
 from specforge.models.target import load_target_config, load_tokenizer
 from specforge.recipes.stage import start_stage
 from specforge.serving.advice import sglang_advice
-from specforge.serving.export import write_export
+from specforge.serving.agreement import export_checks
+from specforge.serving.export import MARKER, write_export
 from specforge.serving.export_dflash import write_dflash_export
 from specforge.trainer.checkpoint import (
     checkpoint_problem,
@@ -28,6 +30,10 @@ from specforge.trainer.checkpoint import (
 )
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_CHECK_STEPS = 5
+"""The chain depth the engine check serves an EAGLE-3 export at under ``bench.num_steps: auto``
+(vLLM serves a fixed depth)."""
 
 
 def checkpoint_to_export(cfg: SpecForgeConfig) -> Path:
@@ -102,15 +108,98 @@ def export(cfg: SpecForgeConfig) -> Path:
             tokenizer=load_tokenizer(target),
         )
         logger.info("exported %s -> %s (DFlash)", checkpoint, out)
-        return out
-    out = write_export(
-        cfg.export_dir,
-        model=model,
-        target_config=load_target_config(target),
-        aux_layer_ids=state["aux_layer_ids"],
-        dtype=cfg.export.dtype,
-        tokenizer=load_tokenizer(target),
-        advice=training_advice(checkpoint),
-    )
-    logger.info("exported %s -> %s", checkpoint, out)
+    else:
+        out = write_export(
+            cfg.export_dir,
+            model=model,
+            target_config=load_target_config(target),
+            aux_layer_ids=state["aux_layer_ids"],
+            dtype=cfg.export.dtype,
+            tokenizer=load_tokenizer(target),
+            advice=training_advice(checkpoint),
+        )
+        logger.info("exported %s -> %s", checkpoint, out)
+    if cfg.export.verify_engine == "vllm":
+        check_with_vllm(dataclasses.replace(cfg, target=target), out)
     return out
+
+
+def check_with_vllm(cfg: SpecForgeConfig, export_dir: Path) -> dict:
+    """The engine gate on a fresh export (``export.verify_engine``): the export's contract
+    checked, then the built-in runtime and vLLM on the same few questions at the same chain
+    depth; the outcome is recorded in the export's ``specforge-export.json`` (``engine_check``)
+    and returned.
+
+    Raises:
+        UserError: vLLM cannot be reached or launched; or the gate fails (recorded first): a
+            check of the export's contract fails (then nothing is served), or vLLM's accept
+            length falls more than ``bench.agreement_margin`` below the built-in runtime's.
+    """
+    checks = export_checks(export_dir, text_config(load_target_config(cfg.target)))
+    problems = [c["problem"] for c in checks if c["problem"]]
+    record = {"engine": "vllm", "failed_checks": [c["check"] for c in checks if c["problem"]]}
+    if not problems:
+        record |= _served_against_builtin(cfg, export_dir)
+    record["passed"] = not problems and record["agrees"]
+    marker = export_dir / MARKER
+    write_json_atomic(marker, {**read_json(marker), "engine_check": record})
+    if problems:
+        raise UserError(f"the engine check of {export_dir} failed, not served: {problems}")
+    if not record["agrees"]:
+        raise UserError(
+            f"the engine check of {export_dir} failed: vLLM's accept length "
+            f"{record['engine_tau']:.3f} is {record['gap']:.0%} below the built-in runtime's "
+            f"{record['builtin_tau']:.3f} on the same {record['turns']} turns (margin "
+            f"{record['margin']:.0%}), with every export check passed: the gap is in how the "
+            f"engine serves the draft (the reports: {record['reports']})"
+        )
+    logger.info(
+        "vLLM %s serves the export at accept length %.3f, the built-in runtime's %.3f",
+        record["version"],
+        record["engine_tau"],
+        record["builtin_tau"],
+    )
+    return record
+
+
+def _served_against_builtin(cfg: SpecForgeConfig, export_dir: Path) -> dict:
+    """The built-in bench, then vLLM's with the built-in one to agree with, on
+    ``export.verify_questions`` questions; what the engine check records of them."""
+    from specforge.recipes.bench import bench
+
+    steps = cfg.bench.num_steps if isinstance(cfg.bench.num_steps, int) else None
+    if steps is None:
+        config = read_json(export_dir / "config.json")
+        dflash = config.get("dflash_config")
+        steps = config["block_size"] - 1 if dflash else DEFAULT_CHECK_STEPS
+    folder = Path(cfg.output_dir) / "engine_check"
+    settings = dataclasses.replace(
+        cfg.bench,
+        draft=str(export_dir),
+        limit=cfg.export.verify_questions,
+        num_steps=steps,
+        prompt_lookup_num_tokens=0,
+        output=str(folder / "builtin"),
+        engine="builtin",
+    )
+    builtin = bench(dataclasses.replace(cfg, bench=settings))
+    settings = dataclasses.replace(
+        settings,
+        engine="vllm",
+        agree_with=str(folder / "builtin" / "bench.json"),
+        output=str(folder / "vllm"),
+    )
+    served = bench(dataclasses.replace(cfg, bench=settings))
+    found = served["agreement"]
+    return {
+        "version": served.get("engine_version"),
+        "num_steps": steps,
+        "questions": builtin["settings"]["questions"],
+        "turns": found["turns"],
+        "builtin_tau": found["builtin_tau"],
+        "engine_tau": found["engine_tau"],
+        "gap": found["gap"],
+        "margin": found["margin"],
+        "agrees": found["agrees"],
+        "reports": str(folder),
+    }

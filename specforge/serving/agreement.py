@@ -4,7 +4,9 @@
 On the same questions at the same depth, greedy, an engine that reads the export as the built-in
 runtime does accepts about as much. When its accept length falls more than ``margin`` below the
 built-in runtime's on the turns both ran, the report says so and lists the checks run on the
-export (the contract the built-in runtime also loads it under): the config against the target
+export (the contract the built-in runtime also loads it under): the files as the export wrote
+them (their checksums: an edit after export is read alike by both sides), the config against the
+target
 (architecture, layers, tying, vocabulary, hidden size, positions, activation, RoPE), the
 weights (names, shapes, dtypes, finite values, the EAGLE 3.1 norms where the config asks for
 them), ``d2t`` as offsets with ``t2d`` consistent, and the aux layers within the target's. When
@@ -24,6 +26,7 @@ from specforge.errors import UserError
 from specforge.io import read_json, read_safetensors
 from specforge.models.eagle3 import Eagle3Config
 from specforge.serving.export import (
+    check_as_written,
     check_export_config,
     check_export_tensors,
     contract_problems,
@@ -112,6 +115,14 @@ def export_checks(export_dir: str | Path, target_config) -> list[dict[str, str |
                 lambda: _aux_layers(export_dir, layers),
             ),
         ]
+    checks.insert(
+        0,
+        (
+            "files as written (the checksums of config.json and model.safetensors in "
+            "specforge-export.json)",
+            lambda: check_as_written(export_dir),
+        ),
+    )
     report = []
     for name, check in checks:
         try:

