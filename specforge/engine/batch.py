@@ -3,8 +3,10 @@ cache of ``rows x capacity`` slots, each row written at its own next slot, and t
 replayed as a CUDA graph per row bucket and key span on a GPU, where the eager step is bound by
 launching its kernels (an H100 took 49-56 ms a step for 64 to 1,024 rows of SmolLM2).
 
-What changes against :class:`~specforge.engine.generation.ContinuousBatcher` (same requests,
-same completions): a row keeps its index while it lives; a finished row's index is taken by the
+:class:`SlotRows` are a :class:`~specforge.engine.generation.ContinuousBatcher`'s rows (the
+batcher schedules, the rows keep the keys and values and run the forwards). What changes against
+the default :class:`~specforge.engine.generation.PaddedRows` (same requests, same completions):
+a row keeps its index while it lives; a finished row's index is taken by the
 next prompt to join, whose keys and values are copied to the front of that row (from a prefill
 over its group, left-padded, through the target's own forward). A decode step covers the rows
 in use rounded up to a power of two (at least :data:`MIN_ROW_BUCKET`) and reads the key span
@@ -143,17 +145,18 @@ class _SlotBatch(_Batch):
     """Per row in use: the slots it fills (its next token's slot and position)."""
 
 
-class SlotBatcher(ContinuousBatcher):
-    """:class:`~specforge.engine.generation.ContinuousBatcher`'s requests and completions over
-    a :class:`RowSlotCache`, its decode steps replayed as CUDA graphs with ``graphs`` (a CUDA
-    device only; see the module docstring).
+class SlotRows:
+    """A :class:`~specforge.engine.generation.ContinuousBatcher`'s rows in a
+    :class:`RowSlotCache`, its decode steps through the engine's layer loop, replayed as CUDA
+    graphs with ``graphs`` (see the module docstring).
 
     Raises:
         UserError: a target the engine cannot run exactly (:class:`TargetEngine`).
     """
 
-    def __init__(self, model, settings: GenerationSettings, *, graphs: bool):
-        super().__init__(model, settings)
+    def __init__(self, batcher: ContinuousBatcher, *, graphs: bool):
+        self.batcher, self.settings, self.device = batcher, batcher.settings, batcher.device
+        model = batcher.model
         aux = default_aux_layer_ids(text_config(model.config).num_hidden_layers)
         self.engine = TargetEngine(model, aux_layer_ids=aux, compile=False)
         self.graphs = graphs
@@ -163,16 +166,16 @@ class SlotBatcher(ContinuousBatcher):
         """How many decode steps covered each row bucket."""
         self._run = self.engine._layers
 
-    def _new_batch(self) -> _SlotBatch:
+    def new_batch(self) -> _SlotBatch:
         return _SlotBatch()
 
-    def _join(self, batch, joining) -> None:
+    def join(self, batch, joining) -> None:
         """Prefill ``joining`` in groups of close lengths and place each prompt in a free row
         (a finished one, else a new one), growing the cache when a prompt needs more slots."""
         needed = max(len(r.prompt) for r in joining) + self.settings.max_new_tokens
         for group in prefill_groups([len(r.prompt) for r in joining]):
             requests = joining[group.start : group.stop]
-            prefill, _, first, generators = self._prefill(requests)
+            prefill, _, first, generators = self.batcher.prefill(requests)
             self._reserve(batch, prefill, needed)
             free = [row for row, done in enumerate(batch.finished) if done]
             rows = (free + list(range(len(batch), self.settings.max_batch_size)))[: len(requests)]
@@ -206,7 +209,7 @@ class SlotBatcher(ContinuousBatcher):
         if self.graphs:  # graphs over the new buffers (the old ones go), which stay put
             self._run = graph_runner(self.device)(self.engine._layers)
 
-    def _step(self, batch) -> None:
+    def step(self, batch) -> None:
         """One decode forward over the rows in use (their bucket) at each row's next slot."""
         used = len(batch)
         rows = row_bucket(used, batch.cache.rows)
@@ -222,13 +225,12 @@ class SlotBatcher(ContinuousBatcher):
         mask = (mask[None] <= slots[:, None])[:, None, None]
         hidden, _ = self._run(tokens, slots[:, None], slots, mask, cache=batch.cache)
         logits = self.engine.transform(self.engine.head(hidden[:used, -1]))
-        self.steps += 1
-        chosen = self._next_tokens(logits, batch.generators)[live].tolist()
+        chosen = self.batcher.next_tokens(logits, batch.generators)[live].tolist()
         for row, token in zip(live, chosen, strict=True):
             batch.tokens[row].append(token)
             batch.lengths[row] += 1
 
-    def _compact(self, batch) -> None:
+    def compact(self, batch) -> None:
         """Where that makes the decode steps' row bucket smaller (a draining batch), the live
         rows move to the front (their keys and values with them) and finished rows are dropped;
         otherwise nothing moves and a finished row waits for the next prompt to take its index.
@@ -246,13 +248,23 @@ class SlotBatcher(ContinuousBatcher):
 
 
 def batcher_for(model, settings: GenerationSettings) -> ContinuousBatcher:
-    """The batcher for ``model``: on a CUDA device, with ``settings.cuda_graphs``, a
-    :class:`SlotBatcher` replaying CUDA graphs where the engine takes the target; else
-    :class:`~specforge.engine.generation.ContinuousBatcher`."""
+    """The batcher for ``model``: on a CUDA device, with ``settings.cuda_graphs``, one over
+    :class:`SlotRows` replaying CUDA graphs where the engine takes the target; else over the
+    default left-padded rows."""
     device = next(model.parameters()).device
     if graph_runner(device) is not None and settings.cuda_graphs:
         try:
-            return SlotBatcher(model, settings, graphs=True)
+            return slot_batcher(model, settings, graphs=True)
         except UserError:
             pass  # a target the engine refuses: transformers' forward
     return ContinuousBatcher(model, settings)
+
+
+def slot_batcher(model, settings: GenerationSettings, *, graphs: bool) -> ContinuousBatcher:
+    """A :class:`~specforge.engine.generation.ContinuousBatcher` over :class:`SlotRows`
+    (``batcher.rows``), replaying CUDA graphs with ``graphs``.
+
+    Raises:
+        UserError: a target the engine cannot run exactly.
+    """
+    return ContinuousBatcher(model, settings, rows=lambda b: SlotRows(b, graphs=graphs))

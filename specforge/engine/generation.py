@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import Cache
@@ -262,50 +262,64 @@ class _Batch:
         return len(self.requests)
 
 
-class ContinuousBatcher:
-    """Answers a stream of requests with continuous batching (see the module docstring)."""
+class Rows(Protocol):
+    """Where a batcher keeps its rows' keys and values, and how a decode step reads them: the
+    verbs :meth:`ContinuousBatcher.run` schedules (:class:`PaddedRows`, or the engine's slot
+    rows, :class:`~specforge.engine.batch.SlotRows`)."""
 
-    def __init__(self, model, settings: GenerationSettings):
+    def new_batch(self) -> _Batch: ...
+
+    def join(self, batch: _Batch, joining: list[Request]) -> None: ...
+
+    def step(self, batch: _Batch) -> None: ...
+
+    def compact(self, batch: _Batch) -> None: ...
+
+
+class ContinuousBatcher:
+    """Answers a stream of requests with continuous batching (see the module docstring): the
+    schedule (who joins, who is done, each row's next token) over rows that keep the keys and
+    values and run the forwards.
+
+    Args:
+        rows: ``(batcher) -> Rows``, called once: :class:`PaddedRows` (a left-padded HF cache)
+            by default, or the engine's slot rows (:func:`~specforge.engine.batch.batcher_for`).
+    """
+
+    def __init__(self, model, settings: GenerationSettings, rows=None):
         self.model = model
         self.settings = settings
         self.device = next(model.parameters()).device
-        self.rows_per_span = settings.rows_per_span or default_rows_per_span(
-            self.device, settings.max_batch_size
-        )
-        self.decode_attention = decode_attention_for(settings.decode_kernel)
-        """What decode steps pass the model as ``decode_kernel`` (None: its own attention)."""
         self.steps = 0
         """Decode forwards run (for throughput reports)."""
+        self.rows: Rows = (rows or PaddedRows)(self)
 
     @torch.no_grad()
     def run(self, pending: list[Request]) -> Iterator[Completion]:
         """Yield completions as rows finish. ``pending`` is read as it changes: the caller may
         append follow-up requests (say, a conversation's next turn) after any completion."""
-        batch = self._new_batch()
+        batch = self.rows.new_batch()
         while pending or len(batch):
             live = len(batch) - sum(batch.finished)
             free = self.settings.max_batch_size - live
             if pending and free > 0 and (free >= self._join_size() or live == 0):
-                self._compact(batch)
+                self.rows.compact(batch)
                 pending.sort(key=lambda r: (r.priority, len(r.prompt)))
                 joining = [pending.pop() for _ in range(min(free, len(pending)))]
-                self._join(batch, joining)
+                self.rows.join(batch, joining)
             elif live == 0:
                 break
             else:
-                self._step(batch)
+                self.rows.step(batch)
+                self.steps += 1
             yield from self._collect(batch)
             if sum(batch.finished) >= max(1, self.settings.reclaim_fraction * len(batch)):
-                self._compact(batch)
-
-    def _new_batch(self) -> _Batch:
-        """A run's rows: nothing of one run outlives it."""
-        return _Batch()
+                self.rows.compact(batch)
 
     def _join_size(self) -> int:
         return max(1, int(self.settings.reclaim_fraction * self.settings.max_batch_size))
 
-    def _next_tokens(self, logits: torch.Tensor, generators) -> torch.Tensor:
+    def next_tokens(self, logits: torch.Tensor, generators) -> torch.Tensor:
         """(B, V) last-position logits -> (B,) next ids (greedy, or each row's own sample)."""
         if self.settings.temperature <= 0:
             # the first maximum, as argmax, but ~4x faster over a bf16 vocabulary on CPU
@@ -316,14 +330,67 @@ class ContinuousBatcher:
         ]
         return torch.cat(drawn)
 
-    def _join(self, batch: _Batch, joining: list[Request]) -> None:
+    def prefill(self, requests: list[Request]):
+        """One forward over ``requests``' prompts, left-padded: their cache, mask (B, S), first
+        generated ids and sampling generators."""
+        inputs = left_padded([r.prompt for r in requests], self.settings.pad_id)
+        mask = inputs["attention_mask"].to(self.device)
+        cache = growing_cache()
+        out = self.model(
+            input_ids=inputs["input_ids"].to(self.device),
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            **cache_kwargs(self.model, cache),
+            logits_to_keep=1,
+        )
+        generators = [self._generator(r) for r in requests]
+        first = self.next_tokens(out.logits[:, -1], generators).tolist()
+        return cache, mask, first, generators
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        if self.settings.temperature <= 0:
+            return None
+        return torch.Generator(device=self.device).manual_seed(request.seed)
+
+    def _collect(self, batch: _Batch) -> Iterator[Completion]:
+        """Mark rows that just ended and yield their completions."""
+        eos = set(self.settings.eos_ids)
+        for row, tokens in enumerate(batch.tokens):
+            if batch.finished[row]:
+                continue
+            stopped = tokens[-1] in eos
+            if stopped or len(tokens) >= self.settings.max_new_tokens:
+                batch.finished[row] = True
+                yield Completion(batch.requests[row].key, tokens, stopped)
+
+
+class PaddedRows:
+    """Rows in one left-padded HF cache (:class:`~specforge.models.kv_cache.GrowingKVLayer`
+    buffers with spare columns): joins merge the prefills' caches, a step appends a column,
+    a compaction copies the live rows once and drops the columns only padding fills."""
+
+    def __init__(self, batcher: ContinuousBatcher):
+        self.batcher, self.model, self.device = batcher, batcher.model, batcher.device
+        settings = batcher.settings
+        self.rows_per_span = settings.rows_per_span or default_rows_per_span(
+            self.device, settings.max_batch_size
+        )
+        self.decode_attention = decode_attention_for(settings.decode_kernel)
+        """What decode steps pass the model as ``decode_kernel`` (None: its own attention)."""
+
+    def new_batch(self) -> _Batch:
+        """A run's rows: nothing of one run outlives it."""
+        return _Batch()
+
+    def join(self, batch: _Batch, joining: list[Request]) -> None:
         """Prefill ``joining`` in groups of close lengths (:func:`prefill_groups`) and merge
         their caches into the batch's, all left-padded to one width."""
         parts = [] if batch.cache is None else [(batch.cache, batch.mask)]
         positions = [] if batch.positions is None else [batch.positions]
         for group in prefill_groups([len(r.prompt) for r in joining]):
             requests = joining[group.start : group.stop]
-            cache, mask, first, generators = self._prefill(requests)
+            cache, mask, first, generators = self.batcher.prefill(requests)
             batch.requests += requests
             batch.tokens += [[t] for t in first]
             batch.finished += [False] * len(requests)
@@ -340,30 +407,7 @@ class ContinuousBatcher:
         batch.mask = torch.cat([_pad_left(mask, width - mask.shape[1], 1) for _, mask in parts])
         batch.positions = torch.cat(positions)
 
-    def _prefill(self, requests: list[Request]):
-        """One forward over ``requests``' prompts, left-padded: their cache, mask (B, S), first
-        generated ids and sampling generators."""
-        inputs = left_padded([r.prompt for r in requests], self.settings.pad_id)
-        mask = inputs["attention_mask"].to(self.device)
-        cache = growing_cache()
-        out = self.model(
-            input_ids=inputs["input_ids"].to(self.device),
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            use_cache=True,
-            **cache_kwargs(self.model, cache),
-            logits_to_keep=1,
-        )
-        generators = [self._generator(r) for r in requests]
-        first = self._next_tokens(out.logits[:, -1], generators).tolist()
-        return cache, mask, first, generators
-
-    def _generator(self, request: Request) -> torch.Generator | None:
-        if self.settings.temperature <= 0:
-            return None
-        return torch.Generator(device=self.device).manual_seed(request.seed)
-
-    def _step(self, batch: _Batch) -> None:
+    def step(self, batch: _Batch) -> None:
         """One decode forward over every row's last token."""
         last = torch.tensor([t[-1] for t in batch.tokens], device=self.device)
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], 1)
@@ -378,10 +422,9 @@ class ContinuousBatcher:
             row_spans=spans,  # options of the target's attention, passed down by HF
             decode_kernel=self.decode_attention,
         )
-        self.steps += 1
         batch.positions = batch.positions + 1
         for row, token in enumerate(
-            self._next_tokens(out.logits[:, -1], batch.generators).tolist()
+            self.batcher.next_tokens(out.logits[:, -1], batch.generators).tolist()
         ):
             if not batch.finished[row]:
                 batch.tokens[row].append(token)
@@ -398,18 +441,7 @@ class ContinuousBatcher:
             for start in range(0, len(lengths), step)
         ]
 
-    def _collect(self, batch: _Batch) -> Iterator[Completion]:
-        """Mark rows that just ended and yield their completions."""
-        eos = set(self.settings.eos_ids)
-        for row, tokens in enumerate(batch.tokens):
-            if batch.finished[row]:
-                continue
-            stopped = tokens[-1] in eos
-            if stopped or len(tokens) >= self.settings.max_new_tokens:
-                batch.finished[row] = True
-                yield Completion(batch.requests[row].key, tokens, stopped)
-
-    def _compact(self, batch: _Batch) -> None:
+    def compact(self, batch: _Batch) -> None:
         """Drop finished rows, and the leading columns that are padding in every row left."""
         if not any(batch.finished):
             return

@@ -6,7 +6,7 @@ their batch."""
 import pytest
 import torch
 
-from specforge.engine.batch import RowSlotCache, SlotBatcher, batcher_for
+from specforge.engine.batch import RowSlotCache, SlotRows, batcher_for, slot_batcher
 from specforge.engine.cache import SPAN_STEP
 from specforge.engine.generation import ContinuousBatcher, GenerationSettings, Request
 from tests.engine.test_generation import PROMPTS, one_at_a_time
@@ -26,7 +26,7 @@ def answers(batcher, pending):
 
 def test_slot_batching_equals_one_prompt_at_a_time(model):
     settings = GenerationSettings(max_new_tokens=12, eos_ids=EOS, pad_id=0, max_batch_size=3)
-    batcher = SlotBatcher(model, settings, graphs=False)
+    batcher = slot_batcher(model, settings, graphs=False)
     got = answers(batcher, [Request(i, p) for i, p in enumerate(PROMPTS)])
     assert sorted(got) == list(range(len(PROMPTS)))
     stopped_early = 0
@@ -39,7 +39,7 @@ def test_slot_batching_equals_one_prompt_at_a_time(model):
         assert tokens == reference, i
         assert stopped == (tokens[-1] in EOS)
     assert stopped_early  # some rows left early and others took their places
-    assert batcher.steps > 0
+    assert batcher.steps > 0 and isinstance(batcher.rows, SlotRows)
 
 
 def test_follow_up_turns_longer_than_the_cache_grow_it(model):
@@ -50,7 +50,7 @@ def test_follow_up_turns_longer_than_the_cache_grow_it(model):
     eos = [one_at_a_time(model, first[1], 20, [])[4]]  # the short prompt's row ends first
     assert eos[0] not in one_at_a_time(model, first[0], 20, [])[:6]
     settings = GenerationSettings(max_new_tokens=20, eos_ids=eos, pad_id=0, max_batch_size=2)
-    batcher = SlotBatcher(model, settings, graphs=False)
+    batcher = slot_batcher(model, settings, graphs=False)
     pending = [Request(("first", i), p) for i, p in first.items()]
     asked, seen = dict(first), []
     for completion in batcher.run(pending):
@@ -68,7 +68,7 @@ def test_follow_up_turns_longer_than_the_cache_grow_it(model):
                 assert ("first", 0) not in seen
     assert sorted(seen) == [("first", 0), ("first", 1), ("second", 0), ("second", 1)]
     # 200 + 20 slots fit 256; a second turn's 500 + 20 did not
-    assert batcher.capacity == 3 * SPAN_STEP
+    assert batcher.rows.capacity == 3 * SPAN_STEP
 
 
 def test_sampled_answers_do_not_depend_on_the_batch(model):
@@ -78,11 +78,11 @@ def test_sampled_answers_do_not_depend_on_the_batch(model):
             max_new_tokens=10, eos_ids=EOS, pad_id=0, max_batch_size=batch_size, temperature=1.0
         )
         pending = [Request(i, p, seed=100 + i) for i, p in enumerate(PROMPTS)]
-        runs.append(answers(SlotBatcher(model, settings, graphs=False), pending))
+        runs.append(answers(slot_batcher(model, settings, graphs=False), pending))
     assert runs[0] == runs[1]
     greedy = GenerationSettings(max_new_tokens=10, eos_ids=EOS, pad_id=0, max_batch_size=3)
     pending = [Request(i, p) for i, p in enumerate(PROMPTS)]
-    assert answers(SlotBatcher(model, greedy, graphs=False), pending) != runs[0]
+    assert answers(slot_batcher(model, greedy, graphs=False), pending) != runs[0]
 
 
 def test_a_cpu_batches_through_transformers(model):
@@ -94,11 +94,11 @@ def test_a_second_run_starts_from_nothing_the_first_left(model):
     """What a run knows of its rows (their lengths) dies with it: a second run on the same
     batcher answers as a fresh batcher does."""
     settings = GenerationSettings(max_new_tokens=8, eos_ids=EOS, pad_id=0, max_batch_size=3)
-    batcher = SlotBatcher(model, settings, graphs=False)
+    batcher = slot_batcher(model, settings, graphs=False)
     answers(batcher, [Request(i, p) for i, p in enumerate(PROMPTS)])
     again = answers(batcher, [Request(i, p) for i, p in enumerate(PROMPTS[:4])])
     fresh = answers(
-        SlotBatcher(model, settings, graphs=False),
+        slot_batcher(model, settings, graphs=False),
         [Request(i, p) for i, p in enumerate(PROMPTS[:4])],
     )
     assert again == fresh
@@ -110,13 +110,13 @@ def test_a_draining_batch_steps_over_a_smaller_row_bucket(model):
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 96, (3 + i,), generator=generator).tolist() for i in range(16)]
     settings = GenerationSettings(max_new_tokens=16, eos_ids=EOS, pad_id=0, max_batch_size=16)
-    batcher = SlotBatcher(model, settings, graphs=False)
+    batcher = slot_batcher(model, settings, graphs=False)
     got = answers(batcher, [Request(i, p) for i, p in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
         tokens, stopped = got[i]
         reference = one_at_a_time(model, prompt, 16, EOS)
         assert tokens == (reference[: reference.index(tokens[-1]) + 1] if stopped else reference)
-    assert batcher.rows_per_step[16] and batcher.rows_per_step[8]
+    assert batcher.rows.rows_per_step[16] and batcher.rows.rows_per_step[8]
 
 
 def test_growing_the_cache_holds_one_layer_twice_at_most():

@@ -8,7 +8,7 @@ outputs poisoned by every other graph's replay)."""
 import pytest
 import torch
 
-from specforge.engine.batch import SlotBatcher, batcher_for
+from specforge.engine.batch import SlotRows, batcher_for, slot_batcher
 from specforge.engine.cache import SPAN_STEP
 from specforge.engine.draft import DraftEngine
 from specforge.engine.generation import GenerationSettings, Request
@@ -124,9 +124,9 @@ def test_batched_decode_steps_replay_as_they_run_eagerly(target):
     steps, while rows join, leave and the cache grows for longer prompts."""
     settings = GenerationSettings(max_new_tokens=12, eos_ids=[1, 33], pad_id=0, max_batch_size=3)
     batcher = batcher_for(target, settings)
-    assert isinstance(batcher, SlotBatcher) and batcher.graphs
+    assert isinstance(batcher.rows, SlotRows) and batcher.rows.graphs
     prompts = PROMPTS + [prompt * 40 for prompt in PROMPTS]  # up to 800 tokens
-    eager = SlotBatcher(target, settings, graphs=False)
+    eager = slot_batcher(target, settings, graphs=False)
     answers = [
         {c.key: c.tokens for c in run.run([Request(i, p) for i, p in enumerate(prompts)])}
         for run in (batcher, eager)

@@ -108,7 +108,8 @@ def test_row_spans_cover_each_rows_real_columns(tiny_target):
         [[0, 0, 1, 1, 1], [0, 0, 0, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1], [0, 1, 1, 1, 1]]
     )
     # rows 0-1 need their last 3 columns, rows 2-3 all 5, row 4 its last 4
-    assert ContinuousBatcher(model, settings)._row_spans(mask) == [(0, 2, 3), (2, 4, 5), (4, 5, 4)]
+    spans = ContinuousBatcher(model, settings).rows._row_spans(mask)
+    assert spans == [(0, 2, 3), (2, 4, 5), (4, 5, 4)]
 
 
 def test_auto_row_spans_are_the_cpus_16_and_one_span_on_a_gpu(tiny_target):
@@ -116,10 +117,10 @@ def test_auto_row_spans_are_the_cpus_16_and_one_span_on_a_gpu(tiny_target):
     where each span costs its own kernel launches."""
     model, _ = tiny_target
     settings = GenerationSettings(max_new_tokens=4, eos_ids=[1], pad_id=0, max_batch_size=256)
-    assert ContinuousBatcher(model, settings).rows_per_span == CPU_ROWS_PER_SPAN == 16
+    assert ContinuousBatcher(model, settings).rows.rows_per_span == CPU_ROWS_PER_SPAN == 16
     assert default_rows_per_span(torch.device("cuda", 0), 256) == 256
     explicit = GenerationSettings(max_new_tokens=4, eos_ids=[1], pad_id=0, rows_per_span=4)
-    assert ContinuousBatcher(model, explicit).rows_per_span == 4
+    assert ContinuousBatcher(model, explicit).rows.rows_per_span == 4
     assert RegenerateConfig().rows_per_span == "auto"
 
 
