@@ -177,6 +177,7 @@ def _write(result: dict[str, Any], out: Path) -> None:
         f"| time to first token with / without (s) | {result['ttft_s']['speculative']:.3f} / "
         f"{result['ttft_s']['baseline'] or 0:.3f} |",
         f"| outputs identical with and without | {result['all_match']} |",
+        f"| turns that differ (first differing token) | {_differences(result)} |",
         "",
         "| draft position | acceptance rate |",
         "|---|---|",
@@ -185,6 +186,15 @@ def _write(result: dict[str, Any], out: Path) -> None:
     if result.get("agreement"):
         lines += _agreement_lines(result["agreement"])
     write_text_atomic(out / "bench.md", "\n".join(lines) + "\n")
+
+
+def _differences(result: dict[str, Any]) -> str:
+    differing = result.get("first_differences") or []
+    if result["all_match"] is None:
+        return "(no baseline)"
+    shown = [f"q{d['question_id']}.{d['turn']}@{d['position']}" for d in differing[:8]]
+    more = ", ..." if len(differing) > 8 else ""
+    return f"{len(differing)}" + (f": {', '.join(shown)}{more}" if shown else "")
 
 
 def _agreement_lines(found: dict[str, Any]) -> list[str]:

@@ -294,6 +294,14 @@ def acceptance_per_position(counters: SpecCounters) -> list[float]:
     return rates
 
 
+def first_difference(spec: dict[str, Any], base: dict[str, Any]) -> int:
+    """The first position where two turns' tokens differ (the shorter's length if one is the
+    other's prefix)."""
+    ours, theirs = spec["token_ids"], base["token_ids"]
+    pairs = zip(ours, theirs, strict=False)
+    return next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(ours), len(theirs)))
+
+
 def vllm_report(
     spec: list[dict[str, Any]],
     base: list[dict[str, Any]] | None,
@@ -324,6 +332,13 @@ def vllm_report(
         "speedup": speed(spec) / speed(base) if base else None,
         "all_match": all(matches) if base else None,
         "match_rate": sum(matches) / len(matches) if base else None,
+        # where each differing turn first differs (in bf16 verification and decoding use
+        # different kernels, so near-ties can flip: not by itself a fault of the draft)
+        "first_differences": [
+            {"question_id": s["question_id"], "turn": s["turn"], "position": first_difference(s, b)}
+            for s, b in zip(spec, base or [], strict=False)
+            if s["token_ids"] != b["token_ids"]
+        ],
         "turns": len(spec),
         "settings": settings,
         "turn_details": spec,

@@ -17,9 +17,11 @@ from specforge.errors import UserError
 from specforge.serving.vllm_client import (
     SpecCounters,
     acceptance_per_position,
+    first_difference,
     free_port,
     launched_server,
     parse_spec_counters,
+    vllm_report,
 )
 from tests.serving.vllm_standin import START, StandIn, serve_in_thread
 
@@ -84,9 +86,25 @@ def test_bench_reads_accept_length_and_speedup_from_running_vllm_servers(
     assert result["tau"] == pytest.approx(1 + 12 / 18)
     assert result["acceptance_per_position"] == pytest.approx([9 / 18, 3 / 9, 0.0])
     assert result["all_match"] is True and result["speedup"] > 0
+    assert result["first_differences"] == []
     assert result["ttft_s"]["speculative"] > 0 and result["engine_version"] == "stand-in"
     assert spec.counts["drafts"] == START["drafts"] + 18
     assert "accept length (1 + accepted / drafts" in (out / "bench.md").read_text()
+
+
+def test_differing_turns_report_where_they_first_differ():
+    spec = [{"question_id": 1, "turn": 0, "token_ids": [5, 6, 7]}]
+    spec.append({"question_id": 1, "turn": 1, "token_ids": [1, 2]})
+    base = [{"question_id": 1, "turn": 0, "token_ids": [5, 6, 9]}]
+    base.append({"question_id": 1, "turn": 1, "token_ids": [1, 2, 3]})
+    for rows in (spec, base):
+        for row in rows:
+            row |= {"category": "math", "tokens": len(row["token_ids"]), "seconds": 1.0}
+            row["ttft"] = 0.1
+    result = vllm_report(spec, base, SpecCounters(drafts=2.0, accepted=1.0), {})
+    assert result["match_rate"] == 0.0
+    assert [d["position"] for d in result["first_differences"]] == [2, 2]
+    assert first_difference(spec[1], base[1]) == 2  # a prefix: the shorter's length
 
 
 def test_a_launched_server_is_health_checked_logged_and_stopped(tmp_path):
