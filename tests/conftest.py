@@ -4,11 +4,9 @@ minutes of CPU) is a ``unit`` test, the fast inner loop (``pytest -m unit``)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.helpers import make_tiny_llama, make_tiny_tokenizer
+from tests.helpers import make_tiny_llama, make_tiny_tokenizer, write_peaked_target
 
 
 def pytest_collection_modifyitems(items):
@@ -43,18 +41,4 @@ def tiny_target_dir(tmp_path, tiny_target):
 def peaked_target_dir(tmp_path):
     """A tiny random target with large weights (a peaked, learnable next-token distribution)
     and a small memorizable conversation set."""
-    tokenizer = make_tiny_tokenizer()
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    model = make_tiny_llama(len(tokenizer), eos_token_id=eos, initializer_range=0.3)
-    folder = tmp_path / "target"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    data = tmp_path / "data.jsonl"
-    with data.open("w") as f:
-        for i in range(12):
-            messages = [
-                {"role": "user", "content": f"count {i}"},
-                {"role": "assistant", "content": "one two three four five six seven " * 2},
-            ]
-            f.write(json.dumps({"id": f"c{i}", "messages": messages}) + "\n")
-    return folder, data
+    return write_peaked_target(tmp_path)

@@ -295,3 +295,30 @@ def sglang_loopback(decoder, *, speculative: bool = True) -> Iterator[tuple[str,
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def write_peaked_target(tmp_path, hidden: int = 64, num_layers: int = 4):
+    """A tiny random target with large weights (a peaked, learnable next-token distribution),
+    ``hidden`` wide over 4 heads, saved with the tiny tokenizer, and a small memorizable
+    conversation set; returns the target's folder and the conversations file."""
+    tokenizer = make_tiny_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = make_tiny_llama(
+        len(tokenizer),
+        hidden=hidden,
+        num_layers=num_layers,
+        eos_token_id=eos,
+        initializer_range=0.3,
+    )
+    folder = tmp_path / "target"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    data = tmp_path / "data.jsonl"
+    with data.open("w") as f:
+        for i in range(12):
+            messages = [
+                {"role": "user", "content": f"count {i}"},
+                {"role": "assistant", "content": "one two three four five six seven " * 2},
+            ]
+            f.write(json.dumps({"id": f"c{i}", "messages": messages}) + "\n")
+    return folder, data

@@ -144,7 +144,13 @@ def complete(url: str, model: str, ids: list[int], *, max_tokens: int) -> Comple
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
-                delta = json.loads(line[5:])["choices"][0].get("token_ids") or []
+                chunk = json.loads(line[5:])
+                if "choices" not in chunk:  # an error in the stream (the engine died, ...)
+                    raise UserError(
+                        f"vLLM at {url} failed mid-completion: {chunk.get('error', chunk)} "
+                        "(its log says why)"
+                    )
+                delta = chunk["choices"][0].get("token_ids") or []
                 if delta and first is None:
                     first = time.perf_counter() - start
                 tokens += delta

@@ -3,7 +3,8 @@ endpoints and formats the client reads (``/health``, ``/version``, ``/v1/models`
 ``/metrics``, streamed ``/v1/completions`` with ``return_token_ids``), answering a fixed rule.
 
 Each completion answers the prompt's last tokens, reversed, up to ``max_tokens``, two tokens a
-chunk; a speculative stand-in counts, per completion of ``n`` tokens, ``n`` drafts of 3 tokens,
+chunk (after ``dead`` is set, the stream carries the error object vLLM sends when its engine
+dies); a speculative stand-in counts, per completion of ``n`` tokens, ``n`` drafts of 3 tokens,
 ``n // 2`` accepted at position 0 and ``n // 4`` at position 1 (on top of counts it starts with,
 as a server that has already served does).
 
@@ -30,6 +31,7 @@ class StandIn(ThreadingHTTPServer):
         self.speculative = speculative
         self.counts = dict(START) if speculative else {}
         self.lock = threading.Lock()
+        self.dead = False
 
     def count(self, n: int) -> None:
         if not self.speculative:
@@ -109,6 +111,8 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         for start in range(0, len(tokens), 2):
             chunk = {"choices": [{"index": 0, "text": "x", "token_ids": tokens[start : start + 2]}]}
+            if self.server.dead:
+                chunk = {"error": {"message": "EngineCore encountered an issue.", "code": 500}}
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
         self.wfile.write(b"data: [DONE]\n\n")
 
