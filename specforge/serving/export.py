@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,6 +58,8 @@ from specforge.models.eagle3 import (
 )
 from specforge.models.target import default_aux_layer_ids
 from specforge.serving.advice import advice_markdown
+
+logger = logging.getLogger(__name__)
 
 MARKER = "specforge-export.json"
 """Written into every export: the files it holds, so a later export may replace them."""
@@ -354,6 +357,13 @@ def write_export(
     check_export_config(exported, target_config)
     tensors = export_tensors(model, float_dtype)
     check_export_tensors(tensors, config, float_dtype)
+    if len(set(aux_layer_ids)) < len(aux_layer_ids):
+        logger.warning(
+            "the aux layers %s repeat a layer: vLLM collects each aux layer once, so its fc "
+            "would get fewer states than the draft reads and vLLM cannot serve this export "
+            "(train with distinct target.aux_layer_ids to serve it with vLLM)",
+            list(aux_layer_ids),
+        )
     with export_directory(out_dir, exported, tensors, tokenizer) as tmp:
         torch.save(model.hot_ids.cpu().contiguous(), tmp / f"freq_{config.draft_vocab_size}.pt")
         if advice is not None:
