@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specforge.results import write_result
+from specforge.results import figures_markdown, write_result
 
 RECIPE = "configs/smollm2-135m-eagle3.yaml"
 
@@ -103,7 +103,7 @@ def main() -> None:
         ]
         for r in rows
     ]
-    write_result(
+    record = write_result(
         Path(args.result or Path(args.output) / "agreement.json"),
         {"settings": vars(args), "rows": rows},
         title="The exports served by vLLM beside the built-in runtime (cpu)",
@@ -115,10 +115,7 @@ def main() -> None:
         ),
         figures={"columns": columns, "rows": table},
     )
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
-    for row in table:
-        print("| " + " | ".join(str(v) for v in row) + " |")
+    print(figures_markdown(record["figures"]))
 
 
 if __name__ == "__main__":

@@ -191,6 +191,12 @@ def _figures_table(figures: Any) -> list[str]:
     return lines
 
 
+def figures_markdown(figures: Any) -> str:
+    """A ``figures`` entry as the markdown table the results page shows (what a benchmark
+    prints when it ends)."""
+    return "\n".join(_figures_table(figures))
+
+
 def _versions(versions: dict[str, Any]) -> str:
     return ", ".join(f"{name} {version}" for name, version in versions.items() if version)
 
