@@ -190,7 +190,7 @@ def vllm_rows() -> str:
     return "\n".join(line for line in page.splitlines() if line.startswith("| vLLM"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_python() -> str:
     """An interpreter with the pinned vLLM: ``SPECFORGE_VLLM_PYTHON``, else the suite's own
     environment (:data:`VLLM_ENV`), installed on first use where ``SPECFORGE_VLLM_INSTALL=1``
