@@ -64,28 +64,36 @@ class DraftEngine:
             tokens, hidden, positions, cache=cache, attention_mask=mask, logits_to_keep=1
         )
 
+    def _blank(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` token ids and target aux states (zeros) in the draft's dtype: inputs of
+        forwards run for their shapes (the host-sync probe, graphs captured in advance)."""
+        aux = torch.zeros(1, count, AUX_STATES * self.draft.config.target_hidden_size)
+        tokens = torch.zeros(1, count, dtype=torch.long, device=self.device)
+        return tokens, aux.to(self.device, self.draft.norm.weight.dtype)
+
+    def _inputs(self, tokens: torch.Tensor, states: torch.Tensor, cache: SlotKVCache) -> tuple:
+        """The eager forwards' arguments for ``tokens`` at the next slots of ``cache``: copies
+        of the tokens and states, positions, slots, and the mask over the key span (new token
+        ``i`` sees every slot up to its own: the cached prefix and the new ones before it)."""
+        slots, span = cache.next_slots(tokens.shape[1], self.device)
+        mask = torch.arange(span, device=self.device)[None] <= slots[:, None]
+        return tokens.clone(), states.clone(), slots[None], slots, mask[None, None]
+
     @torch.no_grad()
     def host_sync(self) -> HostSync | None:
         """The first host sync of the draft's extension and step forwards (eagerly, on a
         scratch cache: a prefix of 3 tokens, then a step), or ``None``: what would stop a
         captured forward (:mod:`specforge.engine.host_sync`), as dynamic RoPE does."""
-        config = self.draft.config
         cache = SlotKVCache(1, whole_spans(4), SlotKVPool())
-        aux = torch.zeros(1, 3, AUX_STATES * config.target_hidden_size)
-        aux = aux.to(self.device, self.draft.norm.weight.dtype)
-        tokens = torch.zeros(1, 3, dtype=torch.long, device=self.device)
-        hidden = None
+        tokens, states = self._blank(3)
         for extend, count in ((True, 3), (False, 1)):
-            slots, span = cache.next_slots(count, self.device)
-            mask = (torch.arange(span, device=self.device)[None] <= slots[:, None])[None, None]
-            states = aux if extend else hidden
+            inputs = self._inputs(tokens[:, :count], states, cache)
             run = self._extend_eager if extend else self._step_eager
-            args = (tokens[:, :count], states, slots[None], slots, mask)
-            sync = host_sync(self.draft, run, *args, cache=cache)
+            sync = host_sync(self.draft, run, *inputs, cache=cache)
             if sync is not None:
                 return sync
-            _, hidden = run(*args, cache=cache)
-            hidden, cache.length = hidden[:, -1:], cache.length + count
+            _, hidden = run(*inputs, cache=cache)
+            states, cache.length = hidden[:, -1:], cache.length + count
         return None
 
     @torch.no_grad()
@@ -94,12 +102,8 @@ class DraftEngine:
         replaying graphs, every graph a chain needs up to that capacity (extensions over 1 ..
         ``MAX_GRAPH_TOKENS`` tokens and the step, at each key span). Returns the graphs
         captured."""
-        config = self.draft.config
-        dtype = self.draft.norm.weight.dtype
         cache = self.new_cache(capacity)
-        aux = torch.zeros(1, MAX_GRAPH_TOKENS, AUX_STATES * config.target_hidden_size)
-        aux = aux.to(self.device, dtype)
-        tokens = torch.zeros(1, MAX_GRAPH_TOKENS, dtype=torch.long, device=self.device)
+        tokens, aux = self._blank(MAX_GRAPH_TOKENS)
         _, hidden = self.forward(tokens[:, :1], aux[:, :1], cache, extend=True)  # eager
         before = self.captures
         if self._step is not self._step_eager:  # graphs
@@ -124,10 +128,7 @@ class DraftEngine:
             ValueError: more tokens than the cache has room for.
         """
         count = tokens.shape[1]
-        slots, span = cache.next_slots(count, self.device)
-        # new token i sees every slot up to its own: the cached prefix and the new ones before it
-        mask = torch.arange(span, device=self.device)[None] <= slots[:, None]
-        inputs = (tokens.clone(), states.clone(), slots[None], slots, mask[None, None])
+        inputs = self._inputs(tokens, states, cache)
         if not cache.allocated or (extend and count > MAX_GRAPH_TOKENS):
             run = self._extend_eager if extend else self._step_eager
         else:
