@@ -26,6 +26,7 @@ from specforge.data.chat import prompt_ids
 from specforge.data.questions import BenchQuestion, ask_turns, load_questions
 from specforge.errors import UserError
 from specforge.io import write_json_atomic, write_text_atomic
+from specforge.serving.stats import against_baseline
 
 
 def sglang_generate(
@@ -130,25 +131,18 @@ def sglang_report(
         verify = sum(r["spec_verify_ct"] for r in rows)
         return sum(r["tokens"] for r in rows) / max(verify, 1)
 
-    def speed(rows):
-        return sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)
-
     histograms = [r["spec_accept_histogram"] for r in spec if r["spec_accept_histogram"]]
     total = [0] * max((len(h) for h in histograms), default=0)
     for histogram in histograms:
         for n, count in enumerate(histogram):
             total[n] += int(count)
-    matches = [s["text"] == b["text"] for s, b in zip(spec, base or [], strict=False)]
     categories = sorted({r["category"] for r in spec})
     return {
         "engine": "sglang",
         "tau": tau(spec),
         "acceptance_per_position": acceptance_from_histogram(total) if total else None,
         "accept_histogram": total or None,
-        "tokens_per_s": {"speculative": speed(spec), "baseline": speed(base) if base else None},
-        "speedup": speed(spec) / speed(base) if base else None,
-        "all_match": all(matches) if base else None,
-        "match_rate": sum(matches) / len(matches) if base else None,
+        **against_baseline(spec, base, "text"),
         "turns": len(spec),
         "per_category": {c: tau([r for r in spec if r["category"] == c]) for c in categories},
         "settings": settings,

@@ -35,6 +35,7 @@ from typing import Any
 from specforge.data.chat import prompt_ids
 from specforge.data.questions import BenchQuestion, ask_turns
 from specforge.errors import UserError
+from specforge.serving.stats import against_baseline
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -318,14 +319,10 @@ def vllm_report(
     vLLM's counters, tokens/s and time to first token with and without the draft, the speedup,
     and whether both servers gave the same tokens."""
 
-    def speed(rows):
-        return sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)
-
     def ttft(rows):
         return sum(r["ttft"] for r in rows) / max(len(rows), 1)
 
     tau = 1 + counters.accepted / counters.drafts if counters.drafts else None
-    matches = [s["token_ids"] == b["token_ids"] for s, b in zip(spec, base or [], strict=False)]
     return {
         "engine": "vllm",
         "tau": tau,
@@ -333,11 +330,8 @@ def vllm_report(
         "draft_tokens": counters.draft_tokens,
         "accepted_tokens": counters.accepted,
         "acceptance_per_position": acceptance_per_position(counters),
-        "tokens_per_s": {"speculative": speed(spec), "baseline": speed(base) if base else None},
+        **against_baseline(spec, base, "token_ids"),
         "ttft_s": {"speculative": ttft(spec), "baseline": ttft(base) if base else None},
-        "speedup": speed(spec) / speed(base) if base else None,
-        "all_match": all(matches) if base else None,
-        "match_rate": sum(matches) / len(matches) if base else None,
         # where each differing turn first differs (in bf16 verification and decoding use
         # different kernels, so near-ties can flip: not by itself a fault of the draft)
         "first_differences": [
