@@ -21,7 +21,7 @@ from specforge.recipes.stage import start_stage
 from specforge.serving.advice import sglang_advice
 from specforge.serving.agreement import export_checks
 from specforge.serving.export import MARKER, write_export
-from specforge.serving.export_dflash import write_dflash_export
+from specforge.serving.export_dflash import draft_config_of, is_dflash_export, write_dflash_export
 from specforge.trainer.checkpoint import (
     checkpoint_problem,
     latest_checkpoint,
@@ -167,11 +167,10 @@ def _served_against_builtin(cfg: SpecForgeConfig, export_dir: Path) -> dict:
     ``export.verify_questions`` questions; what the engine check records of them."""
     from specforge.recipes.bench import bench
 
-    steps = cfg.bench.num_steps if isinstance(cfg.bench.num_steps, int) else None
-    if steps is None:
-        config = read_json(export_dir / "config.json")
-        dflash = config.get("dflash_config")
-        steps = config["block_size"] - 1 if dflash else DEFAULT_CHECK_STEPS
+    steps = cfg.bench.num_steps if isinstance(cfg.bench.num_steps, int) else DEFAULT_CHECK_STEPS
+    if not isinstance(cfg.bench.num_steps, int) and is_dflash_export(export_dir):
+        config = draft_config_of(read_json(export_dir / "config.json"), str(export_dir))
+        steps = config.block_size - 1
     folder = Path(cfg.output_dir) / "engine_check"
     settings = dataclasses.replace(
         cfg.bench,
