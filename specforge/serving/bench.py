@@ -184,11 +184,9 @@ class MethodComparison:
         """Before the warm-up: the engine's buffers for sequences of up to ``tokens`` tokens
         and every graph the methods' forwards will need, captured (or compiled) now rather
         than in a timed turn (:meth:`SpeculativeDecoder.prepare`). Returns the graphs built."""
-        built = self.decoder.prepare(tokens)
         lookup = self.prompt_lookup_num_tokens
-        if self.engine is not None and lookup:  # prompt lookup's verifications
-            built += self.engine.prepare(tokens + lookup + 1, range(1, lookup + 2))
-        return built
+        # prompt lookup's verifications run through the same engine, over the same buffers
+        return self.decoder.prepare(tokens, widest=lookup + 1 if lookup else 0)
 
     def warm_up(self, ids: torch.Tensor) -> float:
         """Every path once (allocations, lazy init, compilation) before anything is timed;

@@ -184,14 +184,17 @@ class SpeculativeDecoder:
         return self.policy.costs
 
     @torch.no_grad()
-    def prepare(self, tokens: int) -> int:
+    def prepare(self, tokens: int, widest: int = 0) -> int:
         """Before anything is timed, for sequences of up to ``tokens`` tokens (prompt and
         output): the engines' buffers taken once and every graph their forwards will need
         built (:meth:`TargetEngine.prepare`, :meth:`DraftEngine.prepare`), so that no turn
-        captures or compiles. Returns the graphs built (none without an engine)."""
+        captures or compiles; ``widest``: the most tokens another user of the target's engine
+        verifies at once (prompt lookup alone), when more than a round here. Returns the graphs
+        built (none without an engine)."""
         if self.engine is None:
             return 0
-        built = self.engine.prepare(tokens + self._widest, range(1, self._widest + 1))
+        widest = max(widest, self._widest)  # one take of the buffers: none dropped later
+        built = self.engine.prepare(tokens + widest, range(1, widest + 1))
         if self.draft_engine is not None:
             built += self.draft_engine.prepare(tokens + self.num_steps + 1)
         return built
