@@ -65,7 +65,8 @@ QUICKSTART_FLAG_NAMES = {"output_dir": "output"}
 
 def config_fields(key: str) -> list[tuple[str, Any, str]]:
     """``(dotted key, type, docstring)`` of every field of a section (``regenerate``), of one
-    field (``target.name_or_path``), or of a top-level field (``output_dir``)."""
+    field (``target.name_or_path``), or of a top-level field (``output_dir``). A section's own
+    sections (``train.on_policy``) have no flags: dotted overrides set them."""
     root = typing.get_type_hints(SpecForgeConfig)
     section, _, name = key.rpartition(".")
     if not section and dataclasses.is_dataclass(root[key]):
@@ -76,7 +77,7 @@ def config_fields(key: str) -> list[tuple[str, Any, str]]:
     return [
         (prefix + f.name, hints[f.name], docs.get(f.name, ""))
         for f in dataclasses.fields(holder)
-        if f.name == name or not name
+        if (f.name == name or not name) and not dataclasses.is_dataclass(hints[f.name])
     ]
 
 

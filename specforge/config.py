@@ -452,6 +452,41 @@ class DraftConfig:
 
 
 @dataclass
+class OnPolicyConfig:
+    """The on-policy phase after supervised TTT (``draft.type: eagle3``;
+    :mod:`specforge.trainer.ttt`, docs/training.md): every step replays the current draft's
+    greedy chain rounds over the target's own answers and trains only the states those rounds
+    reach, the anchors where rounds start (after a rejection) and each step through the first
+    rejected one, on the target's distribution there."""
+
+    steps: int = 0
+    """Optimizer steps of the phase, after the supervised ones end (at ``train.max_steps`` or
+    ``train.max_minutes``); ``0``: no phase."""
+    max_minutes: float | None = None
+    """Wall-clock budget of the phase (as ``train.max_minutes``, counted on its own);
+    ``null``: steps alone."""
+    depth: int = 5
+    """Draft tokens per replayed round: the chain depth the draft will be served at."""
+    lr: float = 3e-5
+    """The phase's learning rate, constant (the supervised schedule has decayed by then)."""
+    replay: bool = True
+    """``false``: the phase trains every position and step as the supervised steps do, at its
+    learning rate: the control of an A/B of the phase (``benchmarks/on_policy_ab.py``)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ConfigError(f"train.on_policy.steps must be >= 0, got {self.steps}")
+        if self.depth < 1:
+            raise ConfigError(f"train.on_policy.depth must be >= 1, got {self.depth}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ConfigError(
+                f"train.on_policy.max_minutes must be > 0 or null, got {self.max_minutes}"
+            )
+        if not self.lr > 0:
+            raise ConfigError(f"train.on_policy.lr must be > 0, got {self.lr}")
+
+
+@dataclass
 class TrainConfig:
     """EAGLE-3 training with training-time test (docs/design.md §3.3)."""
 
@@ -569,6 +604,8 @@ class TrainConfig:
     """Also log to TensorBoard (``<output_dir>/tensorboard``; the ``tensorboard`` extra)."""
     wandb: bool = False
     """Log to Weights & Biases in offline mode (sync later with ``wandb sync``)."""
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
+    """The on-policy phase after the supervised steps (:class:`OnPolicyConfig`)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -856,6 +893,12 @@ class SpecForgeConfig:
             raise ConfigError(
                 "quickstart.data_share grows the corpus with prompts the target writes "
                 "in-process; regenerate.backend server cannot write them (set data_share null)"
+            )
+        if self.train.on_policy.steps and self.draft.type != "eagle3":
+            raise ConfigError(
+                f"train.on_policy.steps ({self.train.on_policy.steps}) replays an EAGLE-3 "
+                f"draft's chain rounds; draft.type {self.draft.type} has no on-policy phase "
+                "(set train.on_policy.steps 0)"
             )
         if self.train.eval_data_path and self.data.mode == "offline":
             raise ConfigError(

@@ -96,6 +96,11 @@ def _field_lines(holder: type, prefix: str, flags: dict, only: str | None = None
         if only is not None and field.name != only:
             continue
         key = prefix + field.name
+        if dataclasses.is_dataclass(hints[field.name]):  # a section's own section, by key
+            nested = hints[field.name]
+            lines += ["", f"### `{key}`", "", " ".join((nested.__doc__ or "").split())]
+            lines += _field_lines(nested, f"{key}.", flags)
+            continue
         lines += ["", f"### `{key}`", ""]
         lines.append(f"`{_type_name(hints[field.name])}`, default `{_default(field)}`.")
         if key in flags:

@@ -10,7 +10,9 @@ frozen target's decoder layers (FSDP2).
 
 It reads top to bottom: :func:`setup` (distributed, hidden-state source, data, vocab map, draft,
 optimizer, resume), then :func:`train`'s loop in a fixed order (lr, micro-batches, clip, step,
-log, eval, checkpoint), then :meth:`TrainingRun.close`, which releases what setup opened.
+log, eval, checkpoint), once for the supervised steps and once more for the on-policy phase
+(``train.on_policy``: the loss on the current draft's replayed chain rounds,
+:mod:`specforge.trainer.ttt`), then :meth:`TrainingRun.close`, which releases what setup opened.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import hashlib
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,7 +63,7 @@ from specforge.trainer.checkpoint import (
 )
 from specforge.trainer.dflash import ArgmaxOnly, DFlashObjective, block_metrics
 from specforge.trainer.metrics import MetricsLog, ttt_metrics
-from specforge.trainer.optim import build_optimizer, set_lr
+from specforge.trainer.optim import apply_lr, build_optimizer, set_lr
 from specforge.trainer.sources import (
     HiddenStateSource,
     hidden_state_source,
@@ -133,6 +136,10 @@ class TrainingRun:
     """Training wall-clock seconds before this run (a resumed run's checkpoint records them)."""
     identity: dict
     """What a checkpoint must match to be resumed: the data digest, the draft geometry."""
+    on_policy_from: int | None = None
+    """The step the on-policy phase started at, when the resumed checkpoint is of that phase."""
+    on_policy_seconds: float = 0.0
+    """The on-policy phase's wall-clock seconds before this run."""
     nonfinite_steps: int = 0
     """Steps skipped for a non-finite loss or gradient norm."""
 
@@ -144,7 +151,7 @@ class TrainingRun:
         """Loss, per-position accuracy and ``tau_pred`` over several steps' results."""
         if isinstance(self.unwrapped, DFlashObjective):
             return block_metrics(results)
-        return ttt_metrics(results, self.cfg.train.ttt_length)
+        return ttt_metrics(results)
 
     def autocast(self):
         assert self.cfg.train.dtype != "auto", "train() resolves train.dtype when it starts"
@@ -200,9 +207,15 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
         "draft": draft_config.to_dict(),
         "frozen": frozen_parameters(draft),
     }
-    start_step, start_seconds = resume(cfg, draft, optimizer, run_identity)
+    resumed = resume(cfg, draft, optimizer, run_identity)
     objective: nn.Module = TTTObjective(
-        draft, tc.ttt_length, tc.step_weight, tc.loss, tc.target_temperature
+        draft,
+        tc.ttt_length,
+        tc.step_weight,
+        tc.loss,
+        tc.target_temperature,
+        replay_depth=tc.on_policy.depth,
+        replay=tc.on_policy.replay,
     )
     if cfg.draft.type == "dflash":
         objective = DFlashObjective(
@@ -218,7 +231,7 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
         train_samples, tc, world_size=ranks.world_size, rank=ranks.rank, pad_id=source.pad_id
     )
     log = MetricsLog(cfg, ranks.is_main)
-    log.start_at(start_step)
+    log.start_at(resumed.step)
     return TrainingRun(
         cfg=cfg,
         ranks=ranks,
@@ -233,9 +246,11 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
         eval_samples=eval_samples,
         eval_data_samples=eval_data,
         log=log,
-        start_step=start_step,
-        start_seconds=start_seconds,
+        start_step=resumed.step,
+        start_seconds=resumed.train_seconds,
         identity=run_identity,
+        on_policy_from=resumed.on_policy_from,
+        on_policy_seconds=resumed.on_policy_seconds,
     )
 
 
@@ -364,9 +379,21 @@ def samples_sha256(samples: list[TokenizedSample]) -> str:
     return digest.hexdigest()
 
 
-def resume(cfg: SpecForgeConfig, draft, optimizer, identity: dict) -> tuple[int, float]:
-    """The step and training seconds to start from: 0 for a fresh run, else the newest intact
-    checkpoint's (its weights, optimizer and RNG state loaded).
+@dataclass
+class Resumed:
+    """Where a run starts: step 0, or the newest intact checkpoint's step and clocks."""
+
+    step: int = 0
+    train_seconds: float = 0.0
+    """Seconds of supervised training before it."""
+    on_policy_from: int | None = None
+    """The step the on-policy phase started at, for a checkpoint of that phase."""
+    on_policy_seconds: float = 0.0
+
+
+def resume(cfg: SpecForgeConfig, draft, optimizer, identity: dict) -> Resumed:
+    """Where to start: step 0 for a fresh run, else the newest intact checkpoint's step and
+    clocks (its weights, optimizer and RNG state loaded).
 
     Raises:
         UserError: a fresh run into a folder that holds checkpoints, no intact checkpoint to
@@ -378,7 +405,7 @@ def resume(cfg: SpecForgeConfig, draft, optimizer, identity: dict) -> tuple[int,
             shutil.rmtree(leftover, ignore_errors=True)
     steps = checkpoint_steps(folder)
     if not steps:
-        return 0, 0.0
+        return Resumed()
     if not cfg.train.resume:
         raise UserError(
             f"{folder} holds checkpoints of an earlier run (newest {steps[0][1].name}): pass "
@@ -401,7 +428,12 @@ def resume(cfg: SpecForgeConfig, draft, optimizer, identity: dict) -> tuple[int,
             )
     state = load_checkpoint(checkpoint, model=draft, optimizer=optimizer)
     logger.info("resumed from %s (step %d)", checkpoint, state["step"])
-    return state["step"], float(state.get("train_seconds", 0.0))
+    return Resumed(
+        state["step"],
+        float(state.get("train_seconds", 0.0)),
+        state.get("on_policy_from"),
+        float(state.get("on_policy_seconds", 0.0)),
+    )
 
 
 def evaluate(run: TrainingRun, samples: list[TokenizedSample] | None = None) -> dict[str, float]:
@@ -428,8 +460,9 @@ def evaluate_all(run: TrainingRun, result: TrainResult, step: int) -> None:
         run.log.log(step, "eval_data", result.eval_data)
 
 
-def save(run: TrainingRun, step: int, seconds: float) -> Path | None:
-    """Write checkpoint ``step`` after ``seconds`` of training (rank 0; every rank takes part
+def save(run: TrainingRun, step: int, clocks: dict[str, float | int]) -> Path | None:
+    """Write checkpoint ``step`` with the phases' ``clocks`` (``train_seconds``, and in the
+    on-policy phase ``on_policy_from`` / ``on_policy_seconds``) (rank 0; every rank takes part
     in consolidating ZeRO state)."""
     path = None
     if isinstance(run.optimizer, ZeroRedundancyOptimizer):
@@ -446,17 +479,20 @@ def save(run: TrainingRun, step: int, seconds: float) -> Path | None:
                 "draft_type": run.cfg.draft.type,
                 "config": to_dict(run.cfg),
                 "run": run.identity,
-                "train_seconds": round(seconds, 3),
+                **{k: round(v, 3) if isinstance(v, float) else v for k, v in clocks.items()},
             },
         )
     run.ranks.barrier()
     return path
 
 
-def accumulate(run: TrainingRun, micro_batches) -> tuple[list[TTTResult], int]:
+def accumulate(
+    run: TrainingRun, micro_batches, on_policy: bool = False
+) -> tuple[list[TTTResult], int]:
     """Forward and backward over one optimizer step's micro-batches (gradients summed, DDP
     synchronising on the last); returns their results and real-token count."""
     results, tokens = [], 0
+    extra = {"on_policy": True} if on_policy else {}
     for index, batch in enumerate(micro_batches):
         batch = batch.to(run.device)
         aux, target_dist = run.source.states(batch, run.vocabulary)
@@ -464,7 +500,7 @@ def accumulate(run: TrainingRun, micro_batches) -> tuple[list[TTTResult], int]:
         no_sync = not last and run.ranks.world_size > 1
         with run.objective.no_sync() if no_sync else contextlib.nullcontext():
             with run.autocast():
-                result = run.objective(batch, aux, target_dist)
+                result = run.objective(batch, aux, target_dist, **extra)
             (result.loss / len(micro_batches)).backward()
         result.loss = result.loss.detach()
         results.append(result)
@@ -495,21 +531,79 @@ def check_finite(run: TrainingRun, step: int, results, grad_norm, micro_batches)
     return False
 
 
+@dataclass
+class Phase:
+    """One stretch of :func:`_loop`: the supervised steps, or the on-policy phase after them
+    (``train.on_policy``)."""
+
+    name: str
+    """``train`` or ``on_policy`` (the metrics' split)."""
+    first: int
+    """The step it starts at."""
+    end: int
+    """The step it ends at, at the latest."""
+    budget_minutes: float | None
+    start_seconds: float
+    """Its seconds before this run (a resumed run's)."""
+    lr: Callable[[int, float], float]
+    """The learning rate of a step, given the share of the budget spent."""
+    on_policy_from: int | None = None
+    """The on-policy phase's first step (checkpoints record it); ``None`` when supervised."""
+
+    def clocks(self, run: TrainingRun, seconds: float) -> dict[str, float | int]:
+        """What a checkpoint of this phase records of the clocks, ``seconds`` into it."""
+        if self.on_policy_from is None:
+            return {"train_seconds": seconds}
+        return {
+            "train_seconds": run.start_seconds,
+            "on_policy_from": self.on_policy_from,
+            "on_policy_seconds": seconds,
+        }
+
+
 def train(cfg: SpecForgeConfig, *, stop_after_step: int | None = None) -> TrainResult:
-    """Train an EAGLE-3 draft as ``cfg`` describes (see the module docstring).
+    """Train a draft as ``cfg`` describes (see the module docstring): the supervised steps,
+    then ``train.on_policy.steps`` on-policy ones.
 
     Args:
         cfg: the recipe.
-        stop_after_step: end after this many optimizer steps (a checkpoint is written there);
-            the LR schedule still spans ``train.max_steps``. For time-sliced jobs and tests.
+        stop_after_step: end after this many optimizer steps, both phases counted (a
+            checkpoint is written there); the LR schedule still spans ``train.max_steps``. For
+            time-sliced jobs and tests.
 
     Returns:
         The last train and eval metrics and the last checkpoint.
     """
     cfg = start_stage(cfg)
     run = setup(cfg)
+    tc = cfg.train
+    stop = stop_after_step or tc.max_steps + tc.on_policy.steps
     try:
-        return _loop(run, min(cfg.train.max_steps, stop_after_step or cfg.train.max_steps))
+        result, done, finished = TrainResult(), run.start_step, True
+        if run.on_policy_from is None:  # not resumed inside the on-policy phase
+            supervised = Phase(
+                "train",
+                run.start_step,
+                min(tc.max_steps, stop),
+                tc.max_minutes,
+                run.start_seconds,
+                lambda step, spent: set_lr(run.optimizer, tc, step, spent),
+            )
+            result, done, out_of_time = _loop(run, supervised, result)
+            finished = out_of_time or done >= tc.max_steps
+        if finished and tc.on_policy.steps and done < stop:
+            first = run.on_policy_from if run.on_policy_from is not None else done
+            phase = Phase(
+                "on_policy",
+                done,
+                min(first + tc.on_policy.steps, stop),
+                tc.on_policy.max_minutes,
+                run.on_policy_seconds if run.on_policy_from is not None else 0.0,
+                lambda step, spent: apply_lr(run.optimizer, tc.on_policy.lr),
+                on_policy_from=first,
+            )
+            result, _, _ = _loop(run, phase, result)
+        return result
     finally:
         cache = getattr(run.source, "cache", None)
         if cache is not None:
@@ -524,19 +618,25 @@ def train(cfg: SpecForgeConfig, *, stop_after_step: int | None = None) -> TrainR
         run.close()
 
 
-def _loop(run: TrainingRun, end_step: int) -> TrainResult:
-    tc, result = run.cfg.train, TrainResult()
-    clock = TrainClock(run.ranks, run.start_seconds, 60 * tc.max_minutes if tc.max_minutes else 0)
-    if clock.budget and run.start_seconds >= clock.budget:
-        logger.info(
-            "train.max_minutes (%s) was spent before step %d", tc.max_minutes, run.start_step
-        )
-        return result
-    if run.start_step == 0:
+def _loop(run: TrainingRun, phase: Phase, result: TrainResult) -> tuple[TrainResult, int, bool]:
+    """Run ``phase``'s steps; returns the result, the steps done and whether its budget ended
+    it."""
+    tc = run.cfg.train
+    budget = 60 * phase.budget_minutes if phase.budget_minutes else 0
+    clock = TrainClock(run.ranks, phase.start_seconds, budget)
+    on_policy = phase.on_policy_from is not None
+    if clock.budget and phase.start_seconds >= clock.budget:
+        logger.info("%s: its minutes were spent before step %d", phase.name, phase.first)
+        return result, phase.first, True
+    if phase.first == 0:
         evaluate_all(run, result, 0)
-    steps = range(run.start_step, end_step)
+    steps = range(phase.first, phase.end)
     progress = tqdm(
-        steps, initial=run.start_step, total=end_step, desc="train", disable=not run.ranks.is_main
+        steps,
+        initial=phase.first,
+        total=phase.end,
+        desc=phase.name,
+        disable=not run.ranks.is_main,
     )
     trainable = [p for p in run.draft.parameters() if p.requires_grad]
     window: list[TTTResult] = []
@@ -544,11 +644,12 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
     run.unwrapped.train()
     step_batches = run.source.step_batches(run.batches, steps)
     spent, has_eval = clock.spent(), bool(run.eval_samples or run.eval_data_samples)
+    done, out_of_time = phase.first, False
     for step, micro_batches in zip(progress, step_batches, strict=True):
         # 1. learning rate of this step
-        lr = set_lr(run.optimizer, tc, step, spent)
+        lr = phase.lr(step, spent)
         # 2. forward and backward over the micro-batches (gradient accumulation)
-        results, tokens = accumulate(run, micro_batches)
+        results, tokens = accumulate(run, micro_batches, on_policy)
         window += results
         window_tokens += tokens
         # 3. clip, 4. optimizer step (none after a non-finite loss or gradient)
@@ -559,7 +660,7 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
         done = step + 1
         spent = clock.spent()
         out_of_time = spent >= 1
-        last = done == end_step or out_of_time
+        last = done == phase.end or out_of_time
         logged = done % tc.log_every == 0 or last
         evaluated = has_eval and (done % tc.eval_every == 0 or last)
         saved = done % tc.save_every == 0 or last
@@ -574,7 +675,7 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
                 "tokens_per_step": window_tokens * run.ranks.world_size / window_steps,
                 "seconds_per_step": window_seconds / window_steps,
             }
-            run.log.log(done, "train", result.train)
+            run.log.log(done, phase.name, result.train)
             shown = {k: v for k, v in result.train.items() if k == "loss" or k.startswith("acc_")}
             progress.set_postfix({k: f"{v:.3f}" for k, v in shown.items()})
             window, window_tokens, window_start = [], 0, time.perf_counter()
@@ -583,18 +684,21 @@ def _loop(run: TrainingRun, end_step: int) -> TrainResult:
             evaluate_all(run, result, done)
         # 7. checkpoint (its seconds include this step's evaluation)
         if saved:
-            result.checkpoint = save(run, done, clock.elapsed())
+            result.checkpoint = save(run, done, phase.clocks(run, clock.elapsed()))
         if clock.budget and not last and logged and saved and evaluated == has_eval:
             # a periodic evaluation and save that used up the budget make this step the last
             # (another step would only evaluate and save again)
             out_of_time = clock.spent() >= 1
         if out_of_time:
             logger.info(
-                "train.max_minutes (%s) spent: stopped after step %d of %d",
-                tc.max_minutes,
+                "%s: its %s minutes spent: stopped after step %d of %d",
+                phase.name,
+                phase.budget_minutes,
                 done,
-                tc.max_steps,
+                phase.end,
             )
             break
     progress.close()
-    return result
+    if not on_policy:
+        run.start_seconds = clock.elapsed()  # the supervised seconds the next phase records
+    return result, done, out_of_time

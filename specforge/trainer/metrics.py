@@ -22,19 +22,29 @@ from specforge.io import append_jsonl, read_jsonl, write_jsonl_atomic
 from specforge.trainer.ttt import TTTResult
 
 
-def ttt_metrics(results: list[TTTResult], ttt_length: int) -> dict[str, float]:
-    """Loss, ``acc_k``, ``cond_acc_k`` and ``tau_pred`` over several TTT results (summed
-    across ranks when distributed)."""
+def ttt_metrics(results: list[TTTResult]) -> dict[str, float]:
+    """Loss, ``acc_k``, ``cond_acc_k`` and ``tau_pred`` over several TTT results of one unroll
+    length (summed across ranks when distributed), and ``tau_replay`` where they replayed
+    chain rounds (:func:`~specforge.trainer.ttt.replay_rounds`: the accept length the runtime's
+    greedy chain would have on these sequences)."""
+    ttt_length = len(results[0].step_correct)
     fields = ("step_correct", "step_counted", "step_prev_correct", "step_chain_correct")
     counts = torch.tensor(
         [[float(sum(getattr(r, f)[k] for r in results)) for k in range(ttt_length)] for f in fields]
     )
     losses = torch.tensor([float(sum(float(r.loss) for r in results)), float(len(results))])
+    replayed = [r.replayed for r in results if r.replayed is not None]
+    rounds = torch.tensor(
+        [float(sum(r.emitted for r in replayed)), float(sum(r.rounds for r in replayed))]
+    )
     if dist.is_initialized():
         dist.all_reduce(counts)
         dist.all_reduce(losses)
+        dist.all_reduce(rounds)
     correct, counted, prev, chain = counts
     metrics = {"loss": float(losses[0] / losses[1].clamp(min=1))}
+    if replayed:
+        metrics["tau_replay"] = float(rounds[0] / rounds[1].clamp(min=1))
     tau, survive = 1.0, 1.0
     for k in range(ttt_length):
         metrics[f"acc_{k}"] = float(correct[k] / counted[k].clamp(min=1))

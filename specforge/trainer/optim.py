@@ -33,6 +33,11 @@ def set_lr(
         min_lr_ratio=tc.min_lr_ratio,
         time_fraction=time_fraction,
     )
+    return apply_lr(optimizer, lr)
+
+
+def apply_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
+    """Set ``lr`` on every parameter group; returns it."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr

@@ -19,6 +19,18 @@ at ``T = 0``). Total:
 ``sum_k 0.8**k * loss_k``. Accuracy ``acc_k``: the draft's argmax,
 mapped through ``d2t``, equals the target's argmax, over all masked positions (an argmax outside
 the draft vocabulary counts as a miss, as it would be at serving time).
+
+Replayed rounds (the on-policy phase, ``train.on_policy``): the serving runtime's greedy chain
+of depth ``K`` over a sequence the target wrote starts its first round at the anchor ``t = m -
+1`` of each assistant run starting at ``m`` (the target's first token ``x_m`` comes from the
+prefill), accepts steps ``0 .. a - 1`` while the draft's step-``k`` token at ``t`` equals
+``x_{t+2+k}``, and starts the next round at ``t + a + 1``. These are exactly the unroll's
+states at those positions and steps (TTT equals serving), so :func:`replay_rounds` finds the
+rounds from the unroll's argmaxes, and ``ttt_loss(reach=...)`` scores at each anchor the steps
+through the first rejected one (``min(a + 1, K)`` of them): the states the draft's own
+proposals reach and whose verification decides acceptance; past the first rejection a chain
+discards the draft's tokens whatever they are. Accept length of the replay: the run's tokens
+after its first over the rounds, the runtime's ``tau``.
 """
 
 from __future__ import annotations
@@ -149,6 +161,8 @@ class TTTResult:
     """Per step ``k``: positions counted at ``k`` whose steps ``0..k-1`` were all correct."""
     step_chain_correct: list[torch.Tensor]
     """Per step ``k``: positions whose steps ``0..k`` were all correct."""
+    replayed: Rounds | None = None
+    """The greedy chain rounds replayed from the unroll (``replay_depth``), else ``None``."""
 
     @property
     def accuracies(self) -> list[float]:
@@ -180,6 +194,55 @@ def position_losses(logits: torch.Tensor, target_probs: torch.Tensor, loss: str)
         accepted = torch.minimum(target_probs, log_probs.exp()).sum(-1)
         return -accepted.clamp(min=1e-6).log()
     raise ValueError(f"unknown loss {loss!r}: expected 'kl' or 'lk'")
+
+
+@dataclass
+class Rounds:
+    """The greedy chain rounds the serving runtime runs over a batch's assistant runs."""
+
+    reach: torch.Tensor
+    """(B, T) int64: at a round's anchor, the draft steps it runs through its first rejection
+    (``1 .. depth``); 0 at other positions."""
+    rounds: torch.Tensor
+    """Scalar: the rounds (target verifications)."""
+    emitted: torch.Tensor
+    """Scalar: the tokens they emit, each run's first (the prefill's) aside."""
+
+
+def replay_rounds(matched: torch.Tensor, loss_mask: torch.Tensor) -> Rounds:
+    """The rounds of a greedy chain of depth ``K`` from ``matched`` (B, T, K) bool: the draft's
+    step-``k`` token at anchor ``t`` equals ``x_{t+2+k}``, a token under ``loss_mask``. In each
+    assistant run ``[m, end)`` the first round's anchor is ``m - 1``; a round at ``t`` accepts
+    the leading matches ``a`` and the next starts at ``t + a + 1``, while the first token it
+    predicts (``x_{t+2}``) is in the run (module docstring)."""
+    depth = matched.shape[-1]
+    # (B, T, K) -> (B, T): the accepted count of a round anchored at each t
+    accepted = matched.long().cumprod(-1).sum(-1).tolist()
+    reach = torch.zeros(loss_mask.shape, dtype=torch.long)
+    rounds = emitted = 0
+    for row, flags in enumerate(loss_mask.bool().tolist()):
+        for first, end in assistant_runs(flags):
+            t = first - 1
+            while t + 2 < end:
+                a = accepted[row][t]
+                reach[row, t] = min(a + 1, depth)
+                rounds += 1
+                emitted += min(a + 1, end - (t + 2))  # none past the run's end-of-turn token
+                t += a + 1
+    return Rounds(reach.to(loss_mask.device), torch.tensor(rounds), torch.tensor(emitted))
+
+
+def assistant_runs(flags: list[bool]) -> list[tuple[int, int]]:
+    """``[first, end)`` of each run of True ``flags`` that has a token before it (an anchor)."""
+    runs, index = [], 1
+    while index < len(flags):
+        if flags[index] and not flags[index - 1]:
+            first = index
+            while index < len(flags) and flags[index]:
+                index += 1
+            runs.append((first, index))
+        index += 1
+    return runs
 
 
 def ttt_unroll(
@@ -232,11 +295,15 @@ def ttt_loss(
     step_weight: float = 0.8,
     loss: str = "kl",
     target_temperature: float = 1.0,
+    reach: torch.Tensor | None = None,
+    replay_depth: int = 0,
 ) -> TTTResult:
     """Unroll the draft ``ttt_length`` steps and score every step against the target.
 
     Only what the loss reads is computed: after step 0's keys, positions from
     :func:`first_needed_position` on, and the draft's logits at counted positions alone.
+    With ``reach`` (the on-policy phase) only the replayed rounds' states count, each alike:
+    the loss is their mean, ``step_weight`` unused.
 
     Args:
         draft: the draft model (its parameters receive gradients).
@@ -251,15 +318,23 @@ def ttt_loss(
         loss: ``kl`` or ``lk`` (module docstring).
         target_temperature: the target distribution's temperature in the loss
             (:func:`sharpened`); accuracy counts the target's argmax either way.
+        reach: optional (B, T) :attr:`Rounds.reach`: step ``k`` counts at ``t`` only where
+            ``reach[t] > k``.
+        replay_depth: replay greedy chain rounds of this depth (``<= ttt_length``) from the
+            unroll's own argmaxes (:func:`replay_rounds`) into ``replayed``.
 
     Returns:
         The weighted loss and per-step losses / accuracy counts.
     """
     if ttt_length < 1:
         raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
+    if not 0 <= replay_depth <= ttt_length:
+        raise ValueError(f"replay_depth must be in 0..{ttt_length}, got {replay_depth}")
     loss_mask = loss_mask.bool() & attention_mask.bool()
     total = torch.zeros((), device=input_ids.device, dtype=torch.float32)
+    states = torch.zeros((), device=input_ids.device, dtype=torch.float32)
     result = TTTResult(total, [], [], [], [], [])
+    matched = torch.zeros(*loss_mask.shape, replay_depth, dtype=torch.bool, device=loss_mask.device)
     chain = torch.ones_like(loss_mask)
     start = first_needed_position(loss_mask, ttt_length)
     # 1. unroll: step k sees token t+1+k at RoPE position t+k
@@ -275,6 +350,8 @@ def ttt_loss(
         # 2. it predicts token t+2+k: counted where the mask holds at t+2+k, scored against
         # the target's distribution at t+1+k
         counted = shift_left(loss_mask, 2 + k, fill=False)
+        if reach is not None:
+            counted = counted & (reach > k)
         rows, cols = counted[:, start:].nonzero(as_tuple=True)
         cols = cols + start
         target_probs = sharpened(target_dist.probs[rows, cols + 1 + k], target_temperature)
@@ -285,11 +362,17 @@ def ttt_loss(
         logits = draft.logits(hidden[rows, cols - start])
         per_position = position_losses(logits, target_probs, loss)
         step_loss = (per_position * scored).sum() / scored.sum().clamp(min=1)
-        total = total + step_weight**k * step_loss
+        if reach is None:
+            total = total + step_weight**k * step_loss
+        else:
+            total, states = total + (per_position * scored).sum(), states + scored.sum()
         # 4. accuracy: draft argmax mapped to target ids vs the target's argmax
         with torch.no_grad():
             correct = torch.zeros_like(counted)
-            correct[rows, cols] = draft.to_target_ids(logits.max(-1).indices) == target_argmax
+            drafted = draft.to_target_ids(logits.max(-1).indices)
+            correct[rows, cols] = drafted == target_argmax
+            if k < replay_depth:
+                matched[rows, cols, k] = drafted == shift_left(input_ids, 2 + k)[rows, cols]
             result.step_losses.append(step_loss.detach())
             result.step_correct.append(correct.sum())
             result.step_counted.append(counted.sum())
@@ -297,8 +380,18 @@ def ttt_loss(
             # position t's step-k prediction continues its chain from step k-1
             chain = chain & correct
             result.step_chain_correct.append(chain.sum())
-    result.loss = total
+    result.loss = total if reach is None else total / states.clamp(min=1)
+    if replay_depth:
+        result.replayed = replay_rounds(matched, loss_mask)
     return result
+
+
+@torch.no_grad()
+def replay(draft: Eagle3DraftModel, *, depth: int, **inputs: torch.Tensor) -> Rounds:
+    """The greedy chain rounds of depth ``depth`` the current draft runs over a batch (a
+    no-grad unroll, :func:`replay_rounds`); ``inputs``: :func:`ttt_loss`'s tensors
+    (``input_ids``, ``attention_mask``, ``loss_mask``, ``aux_hidden_states``, ``target_dist``)."""
+    return ttt_loss(draft, **inputs, ttt_length=depth, replay_depth=depth).replayed
 
 
 class TTTObjective(nn.Module):
@@ -311,6 +404,8 @@ class TTTObjective(nn.Module):
         step_weight: float,
         loss: str = "kl",
         target_temperature: float = 1.0,
+        replay_depth: int = 0,
+        replay: bool = True,
     ):
         super().__init__()
         self.draft = draft
@@ -318,19 +413,47 @@ class TTTObjective(nn.Module):
         self.step_weight = step_weight
         self.loss = loss
         self.target_temperature = target_temperature
+        self.replay_depth = replay_depth
+        """The depth of the replayed chain rounds (``train.on_policy.depth``): the on-policy
+        loss's rounds, and the accept length reported beside the TTT loss where the unroll is
+        that deep."""
+        self.replay = replay
+        """``False``: on-policy steps train as supervised ones (``train.on_policy.replay``)."""
 
     def forward(
-        self, batch: Batch, aux_hidden_states: torch.Tensor, target_dist: TargetDistribution
+        self,
+        batch: Batch,
+        aux_hidden_states: torch.Tensor,
+        target_dist: TargetDistribution,
+        on_policy: bool = False,
     ) -> TTTResult:
-        return ttt_loss(
-            self.draft,
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            loss_mask=batch.loss_mask,
-            aux_hidden_states=aux_hidden_states,
-            target_dist=target_dist,
-            ttt_length=self.ttt_length,
-            step_weight=self.step_weight,
-            loss=self.loss,
-            target_temperature=self.target_temperature,
+        """The TTT loss, or with ``on_policy`` the loss on the current draft's replayed
+        rounds (module docstring)."""
+        inputs = {
+            "input_ids": batch.input_ids,
+            "attention_mask": batch.attention_mask,
+            "loss_mask": batch.loss_mask,
+            "aux_hidden_states": aux_hidden_states,
+            "target_dist": target_dist,
+        }
+        common = {"loss": self.loss, "target_temperature": self.target_temperature}
+        if not (on_policy and self.replay):
+            deep_enough = self.replay_depth <= self.ttt_length
+            result = ttt_loss(
+                self.draft,
+                **inputs,
+                **common,
+                ttt_length=self.ttt_length,
+                step_weight=self.step_weight,
+                replay_depth=self.replay_depth if deep_enough else 0,
+            )
+            if self.replay_depth and not deep_enough and not self.training:
+                # evaluation reports the replay's accept length whatever the unroll's length
+                result.replayed = replay(self.draft, **inputs, depth=self.replay_depth)
+            return result
+        rounds = replay(self.draft, **inputs, depth=self.replay_depth)
+        result = ttt_loss(
+            self.draft, **inputs, **common, ttt_length=self.replay_depth, reach=rounds.reach
         )
+        result.replayed = rounds
+        return result

@@ -1,0 +1,188 @@
+"""The on-policy phase at equal time: two continuations of one trained EAGLE-3 draft (a
+quickstart's), each for the same minutes at the phase's constant learning rate on the same
+corpus, one with the on-policy loss (``train.on_policy.replay: true``: the current draft's
+replayed chain rounds) and one without (``false``: every position and step, as the supervised
+steps train), scored by the accept length of chain ``--depth`` over the target's own greedy
+answers to MT-Bench and to questions the recipe never saw.
+
+    python benchmarks/on_policy_ab.py --start outputs/quickstart --minutes 10 \\
+        --set mt_bench=question.jsonl --set gsm8k=gsm8k_40.jsonl --output outputs/on_policy_ab \\
+        --result docs/results/on_policy_ab_cpu.json
+
+Accept length here is the replay's (:func:`specforge.trainer.ttt.replay_rounds`): the rounds the
+runtime's greedy chain runs over the target's greedy answer, which equal the runtime's own
+(tested), read without timing anything; ``specforge bench`` confirms the winner's. The answers
+are the float32 target's (``specforge prepare --regenerate``, as the bench decodes), the draft
+scored in float32. Each arm starts from a copy of the start's newest checkpoint; every step is
+skipped on a rerun when its output is there. Run it alone (2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import yaml
+from draft_family_ab import specforge
+
+from specforge.config import load_config
+from specforge.data.batching import collate
+from specforge.distributed import setup_distributed
+from specforge.results import write_result
+from specforge.trainer.checkpoint import latest_sound_checkpoint, load_draft, read_trainer_state
+from specforge.trainer.sources import OnlineTarget
+from specforge.trainer.ttt import TTTObjective
+
+ARMS = {"supervised": "false", "on_policy": "true"}
+"""Each arm's ``train.on_policy.replay``."""
+
+
+def start_recipe(start: Path, output: Path) -> tuple[Path, int]:
+    """The start's recipe as its newest checkpoint recorded it (written to ``output``) and that
+    checkpoint's step."""
+    checkpoint = latest_sound_checkpoint(start / "checkpoints")
+    if checkpoint is None:
+        raise SystemExit(f"{start}/checkpoints: no intact checkpoint to continue")
+    state = read_trainer_state(checkpoint)
+    output.mkdir(parents=True, exist_ok=True)
+    recipe = output / "start.yaml"
+    recipe.write_text(yaml.safe_dump(state["config"], sort_keys=False))
+    return recipe, state["step"]
+
+
+def answers(name: str, questions: str, args) -> Path:
+    """The float32 target's greedy answers to ``questions`` (``--max-new-tokens`` a turn)."""
+    out = Path(args.output) / f"answers_{name}.jsonl"
+    if not out.is_file():
+        specforge(
+            "prepare",
+            "--data",
+            questions,
+            "--regenerate",
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--dtype",
+            "float32",
+            "--output",
+            str(out),
+        )
+    return out
+
+
+def continue_arm(arm: str, recipe: Path, step: int, args) -> Path:
+    """Train one arm from a copy of the start's newest checkpoint; returns its folder."""
+    out = Path(args.output) / arm
+    if not (out / "checkpoints").is_dir():
+        start = latest_sound_checkpoint(Path(args.start) / "checkpoints")
+        shutil.copytree(start, out / "checkpoints" / start.name)
+        shutil.copy(Path(args.start) / "vocab_map.safetensors", out)
+    specforge(
+        "train",
+        "--config",
+        str(recipe),
+        f"output_dir={out}",
+        "train.resume=true",
+        f"train.max_steps={step}",  # the supervised steps are done
+        "train.on_policy.steps=1000000",
+        f"train.on_policy.max_minutes={args.minutes}",
+        f"train.on_policy.depth={args.depth}",
+        f"train.on_policy.replay={ARMS[arm]}",
+    )
+    return out
+
+
+@torch.no_grad()
+def replayed_tau(run: Path, recipe: Path, answers_file: Path, depth: int) -> dict:
+    """The accept length of chain ``depth`` over ``answers_file`` with ``run``'s newest
+    draft (float32 target and draft)."""
+    cfg = load_config(
+        recipe,
+        [f"output_dir={run}", "target.dtype=float32", f"train.data_path={answers_file}"],
+    )
+    source = OnlineTarget(cfg, setup_distributed("cpu"), "cpu")
+    checkpoint = latest_sound_checkpoint(run / "checkpoints")
+    draft = load_draft(checkpoint).float().eval()
+    objective = TTTObjective(draft, depth, 1.0, replay_depth=depth).eval()
+    emitted = rounds = 0
+    for sample in source.samples:
+        batch = collate([sample], source.pad_id)
+        aux, target_dist = source.states(batch, draft)
+        replayed = objective(batch, aux, target_dist).replayed
+        emitted, rounds = emitted + int(replayed.emitted), rounds + int(replayed.rounds)
+    return {
+        "tau": round(emitted / rounds, 3),
+        "rounds": rounds,
+        "conversations": len(source.samples),
+    }
+
+
+def arm_row(arm: str, run: Path, recipe: Path, start_step: int, sets: dict, depth: int) -> dict:
+    """One arm's steps, training metrics and accept length on each set."""
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    phase = [m for m in metrics if m.get("split") == "on_policy"]
+    held_out = [m for m in metrics if m.get("split") == "eval"]
+    return {
+        "arm": arm,
+        "steps": phase[-1]["step"] - start_step,
+        "held_out_tau_replay": round(held_out[-1].get("tau_replay", float("nan")), 3),
+        "held_out_tau_pred": round(held_out[-1]["tau_pred"], 3),
+        **{name: replayed_tau(run, recipe, path, depth) for name, path in sets.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--start", required=True, help="a trained run's output_dir")
+    parser.add_argument("--minutes", type=float, default=10.0, help="training minutes an arm")
+    parser.add_argument(
+        "--set", action="append", required=True, help="NAME=QUESTIONS, scored on its answers"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=5, help="the chain depth scored")
+    parser.add_argument("--output", default="outputs/on_policy_ab", help="the runs' folder")
+    parser.add_argument("--result", default=None, help="the JSON (default OUTPUT/ab.json)")
+    args = parser.parse_args()
+    recipe, step = start_recipe(Path(args.start), Path(args.output))
+    sets = dict(item.split("=", 1) for item in args.set)
+    sets = {name: answers(name, questions, args) for name, questions in sets.items()}
+    start = {
+        name: replayed_tau(Path(args.start), recipe, path, args.depth)
+        for name, path in sets.items()
+    }
+    rows = [
+        arm_row(arm, continue_arm(arm, recipe, step, args), recipe, step, sets, args.depth)
+        for arm in ARMS
+    ]
+    write_result(
+        Path(args.result or Path(args.output) / "ab.json"),
+        {"settings": vars(args), "start_step": step, "start": start, "rows": rows},
+        title="The on-policy phase at equal time (cpu)",
+        summary=(
+            f"Two continuations of {args.start}'s draft (step {step}), {args.minutes:g} minutes "
+            "each at train.on_policy.lr on its corpus: with the on-policy loss and without. "
+            f"Accept length of chain {args.depth} over the float32 target's greedy answers "
+            f"({args.max_new_tokens} tokens a turn), by replaying the runtime's rounds."
+        ),
+        figures={
+            "start": ", ".join(f"{n} tau {v['tau']}" for n, v in start.items()),
+            **{
+                r["arm"]: f"{r['steps']} steps; "
+                + ", ".join(f"{n} tau {r[n]['tau']}" for n in sets)
+                for r in rows
+            },
+        },
+    )
+    names = list(sets)
+    print("\n| arm | steps | held-out tau_replay | " + " | ".join(names) + " |")
+    print("|---|---:|---:|" + "---:|" * len(names))
+    print("| start | 0 | - | " + " | ".join(str(start[n]["tau"]) for n in names) + " |")
+    for r in rows:
+        cells = " | ".join(str(r[n]["tau"]) for n in names)
+        print(f"| {r['arm']} | {r['steps']} | {r['held_out_tau_replay']} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
