@@ -4,9 +4,25 @@ minutes of CPU) is a ``unit`` test, the fast inner loop (``pytest -m unit``)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from tests.helpers import make_tiny_llama, make_tiny_tokenizer, write_peaked_target
+
+
+def share_the_cores() -> None:
+    """pytest-xdist's workers (pyproject's addopts) share the cores: each takes its share of
+    threads, and so do the processes it launches (oversubscribed OpenMP threads spin)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+share_the_cores()
 
 
 def pytest_collection_modifyitems(items):
