@@ -53,12 +53,15 @@ def start_recipe(start: Path, output: Path) -> tuple[Path, int]:
     return recipe, state["step"]
 
 
-def answers(name: str, questions: str, args) -> Path:
-    """The float32 target's greedy answers to ``questions`` (``--max-new-tokens`` a turn)."""
+def answers(name: str, questions: str, recipe: Path, args) -> Path:
+    """The float32 target's greedy answers to ``questions`` (``--max-new-tokens`` a turn), the
+    target the recipe trained for."""
     out = Path(args.output) / f"answers_{name}.jsonl"
     if not out.is_file():
+        target = yaml.safe_load(recipe.read_text())["target"]["name_or_path"]
         specforge(
             "prepare",
+            f"target.name_or_path={target}",
             "--data",
             questions,
             "--regenerate",
@@ -147,7 +150,7 @@ def main() -> None:
     args = parser.parse_args()
     recipe, step = start_recipe(Path(args.start), Path(args.output))
     sets = dict(item.split("=", 1) for item in args.set)
-    sets = {name: answers(name, questions, args) for name, questions in sets.items()}
+    sets = {name: answers(name, questions, recipe, args) for name, questions in sets.items()}
     start = {
         name: replayed_tau(Path(args.start), recipe, path, args.depth)
         for name, path in sets.items()

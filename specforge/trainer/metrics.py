@@ -43,8 +43,6 @@ def ttt_metrics(results: list[TTTResult]) -> dict[str, float]:
         dist.all_reduce(rounds)
     correct, counted, prev, chain = counts
     metrics = {"loss": float(losses[0] / losses[1].clamp(min=1))}
-    if replayed:
-        metrics["tau_replay"] = float(rounds[0] / rounds[1].clamp(min=1))
     tau, survive = 1.0, 1.0
     for k in range(ttt_length):
         metrics[f"acc_{k}"] = float(correct[k] / counted[k].clamp(min=1))
@@ -53,6 +51,8 @@ def ttt_metrics(results: list[TTTResult]) -> dict[str, float]:
         survive *= conditional
         tau += survive
     metrics["tau_pred"] = tau
+    if replayed:
+        metrics["tau_replay"] = float(rounds[0] / rounds[1].clamp(min=1))
     return metrics
 
 
