@@ -1,9 +1,10 @@
 """The on-policy phase at equal time: two continuations of one trained EAGLE-3 draft (a
-quickstart's), each for the same minutes at the phase's constant learning rate on the same
-corpus, one with the on-policy loss (``train.on_policy.replay: true``: the current draft's
-replayed chain rounds) and one without (``false``: every position and step, as the supervised
-steps train), scored by the accept length of chain ``--depth`` over the target's own greedy
-answers to MT-Bench and to questions the recipe never saw.
+quickstart's), each for the same minutes at the phase's constant learning rate (where the
+supervised schedule ended) on the same corpus, one with the on-policy loss
+(``train.on_policy.replay: true``: the current draft's replayed chain rounds) and one without
+(``false``: every position and step, as the supervised steps train), scored by the accept
+length of chain ``--depth`` over the target's own greedy answers to MT-Bench and to questions
+the recipe never saw.
 
     python benchmarks/on_policy_ab.py --start outputs/quickstart --minutes 10 \\
         --set mt_bench=question.jsonl --set gsm8k=gsm8k_40.jsonl --output outputs/on_policy_ab \\
@@ -165,7 +166,8 @@ def main() -> None:
         title="The on-policy phase at equal time (cpu)",
         summary=(
             f"Two continuations of {args.start}'s draft (step {step}), {args.minutes:g} minutes "
-            "each at train.on_policy.lr on its corpus: with the on-policy loss and without. "
+            "each at the learning rate its schedule ended at, on its corpus: with the on-policy "
+            "loss and without. "
             f"Accept length of chain {args.depth} over the float32 target's greedy answers "
             f"({args.max_new_tokens} tokens a turn), by replaying the runtime's rounds."
         ),

@@ -467,8 +467,9 @@ class OnPolicyConfig:
     ``null``: steps alone."""
     depth: int = 5
     """Draft tokens per replayed round: the chain depth the draft will be served at."""
-    lr: float = 3e-5
-    """The phase's learning rate, constant (the supervised schedule has decayed by then)."""
+    lr: float | None = None
+    """The phase's learning rate, constant; ``null``: where the supervised schedule ended,
+    ``train.lr * train.min_lr_ratio``."""
     replay: bool = True
     """``false``: the phase trains every position and step as the supervised steps do, at its
     learning rate: the control of an A/B of the phase (``benchmarks/on_policy_ab.py``)."""
@@ -482,8 +483,8 @@ class OnPolicyConfig:
             raise ConfigError(
                 f"train.on_policy.max_minutes must be > 0 or null, got {self.max_minutes}"
             )
-        if not self.lr > 0:
-            raise ConfigError(f"train.on_policy.lr must be > 0, got {self.lr}")
+        if self.lr is not None and not self.lr > 0:
+            raise ConfigError(f"train.on_policy.lr must be > 0 or null, got {self.lr}")
 
 
 @dataclass

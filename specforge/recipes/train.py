@@ -599,7 +599,7 @@ def train(cfg: SpecForgeConfig, *, stop_after_step: int | None = None) -> TrainR
                 min(first + tc.on_policy.steps, stop),
                 tc.on_policy.max_minutes,
                 run.on_policy_seconds if run.on_policy_from is not None else 0.0,
-                lambda step, spent: apply_lr(run.optimizer, tc.on_policy.lr),
+                lambda step, spent: apply_lr(run.optimizer, on_policy_lr(tc)),
                 on_policy_from=first,
             )
             result, _, _ = _loop(run, phase, result)
@@ -616,6 +616,11 @@ def train(cfg: SpecForgeConfig, *, stop_after_step: int | None = None) -> TrainR
                 cache.misses,
             )
         run.close()
+
+
+def on_policy_lr(tc) -> float:
+    """The on-policy phase's constant learning rate (``train.on_policy.lr``)."""
+    return tc.on_policy.lr if tc.on_policy.lr is not None else tc.lr * tc.min_lr_ratio
 
 
 def _loop(run: TrainingRun, phase: Phase, result: TrainResult) -> tuple[TrainResult, int, bool]:
