@@ -63,6 +63,7 @@ def answers(name: str, questions: str, recipe: Path, args) -> Path:
         specforge(
             "prepare",
             f"target.name_or_path={target}",
+            f"output_dir={Path(args.output) / f'prepare_{name}'}",
             "--data",
             questions,
             "--regenerate",
