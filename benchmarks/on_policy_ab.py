@@ -42,14 +42,17 @@ ARMS = {"supervised": "false", "on_policy": "true"}
 
 
 def start_recipe(start: Path, output: Path) -> tuple[Path, int]:
-    """The start's recipe as its newest checkpoint recorded it (written to ``output``) and that
-    checkpoint's step."""
+    """The start's recipe as its newest checkpoint recorded it, its training data named
+    (written to ``output``), and that checkpoint's step."""
     checkpoint = latest_sound_checkpoint(start / "checkpoints")
     if checkpoint is None:
         raise SystemExit(f"{start}/checkpoints: no intact checkpoint to continue")
     state = read_trainer_state(checkpoint)
     output.mkdir(parents=True, exist_ok=True)
     recipe = output / "start.yaml"
+    recipe.write_text(yaml.safe_dump(state["config"], sort_keys=False))
+    data = load_config(recipe).training_data_path  # the arms' output_dir holds none
+    state["config"]["train"]["data_path"] = str(data)
     recipe.write_text(yaml.safe_dump(state["config"], sort_keys=False))
     return recipe, state["step"]
 
