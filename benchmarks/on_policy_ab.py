@@ -29,7 +29,7 @@ import torch
 import yaml
 from draft_family_ab import specforge
 
-from specforge.config import load_config
+from specforge.config import SpecForgeConfig, from_dict, load_config
 from specforge.data.batching import collate
 from specforge.distributed import setup_distributed
 from specforge.results import write_result
@@ -48,12 +48,12 @@ def start_recipe(start: Path, output: Path) -> tuple[Path, int]:
     if checkpoint is None:
         raise SystemExit(f"{start}/checkpoints: no intact checkpoint to continue")
     state = read_trainer_state(checkpoint)
+    config = state["config"]
+    # its corpus by name: the arms' output_dir holds none
+    config["train"]["data_path"] = str(from_dict(SpecForgeConfig, config).training_data_path)
     output.mkdir(parents=True, exist_ok=True)
     recipe = output / "start.yaml"
-    recipe.write_text(yaml.safe_dump(state["config"], sort_keys=False))
-    data = load_config(recipe).training_data_path  # the arms' output_dir holds none
-    state["config"]["train"]["data_path"] = str(data)
-    recipe.write_text(yaml.safe_dump(state["config"], sort_keys=False))
+    recipe.write_text(yaml.safe_dump(config, sort_keys=False))
     return recipe, state["step"]
 
 
