@@ -112,7 +112,7 @@ def replayed_tau(run: Path, recipe: Path, answers_file: Path, depth: int) -> dic
     )
     source = OnlineTarget(cfg, setup_distributed("cpu"), "cpu")
     checkpoint = latest_sound_checkpoint(run / "checkpoints")
-    draft = load_draft(checkpoint).float().eval()
+    draft = load_draft(checkpoint, source.head.embed_tokens).float().eval()
     objective = TTTObjective(draft, depth, 1.0, replay_depth=depth).eval()
     emitted = rounds = 0
     for sample in source.samples:

@@ -128,9 +128,13 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         raise UserError(f"{path}/trainer_state.json cannot be read ({err})") from None
 
 
-def load_draft(path: Path) -> Eagle3DraftModel | DFlashDraftModel:
-    """The draft saved in checkpoint ``path``, of the family its trainer state names (its
-    frozen target tensors left for the caller)."""
+def load_draft(
+    path: Path, target_embedding: torch.Tensor | None = None
+) -> Eagle3DraftModel | DFlashDraftModel:
+    """The draft saved in checkpoint ``path``, of the family its trainer state names. A
+    checkpoint holds no copy of the target's tensors (:data:`~specforge.models.eagle3.
+    FROZEN_WEIGHTS`; a DFlash draft's ``lm_head`` too): ``target_embedding`` (V, Ht) fills the
+    embedding, else the caller must (the draft's proposals mean nothing until then)."""
     path = Path(path)
     state = read_trainer_state(path)
     config_path = path / "draft_config.json"
@@ -140,6 +144,9 @@ def load_draft(path: Path) -> Eagle3DraftModel | DFlashDraftModel:
     else:
         model = Eagle3DraftModel(Eagle3Config.from_dict(values, str(config_path)))
     load_draft_weights(model, read_safetensors(path / "draft.safetensors"), str(path))
+    if target_embedding is not None:
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(target_embedding)
     return model
 
 

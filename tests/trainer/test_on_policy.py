@@ -167,7 +167,7 @@ def test_on_policy_phase_trains_resumes_exactly_and_serves_losslessly(tmp_path, 
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    draft = load_draft(resumed.checkpoint).eval()
+    draft = load_draft(resumed.checkpoint, target.get_input_embeddings().weight).eval()
     prompt = torch.tensor([[5, 17, 40, 2, 9]])
     decoder = SpeculativeDecoder(target, draft, aux_layer_ids=state["aux_layer_ids"], num_steps=3)
     tokens, _ = decoder.generate(prompt, max_new_tokens=24)
