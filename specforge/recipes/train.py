@@ -623,6 +623,21 @@ def on_policy_lr(tc) -> float:
     return tc.on_policy.lr if tc.on_policy.lr is not None else tc.lr * tc.min_lr_ratio
 
 
+def window_metrics(run: TrainingRun, window, tokens: int, start: float, lr, grad_norm) -> dict:
+    """The metrics of the steps since the last log (``window``: their results, ``tokens``
+    trained on this rank since ``start``), with the last step's learning rate and gradient
+    norm and the window's throughput."""
+    seconds = time.perf_counter() - start
+    steps = len(window) // run.cfg.train.grad_accumulation
+    return run.metrics(window) | {
+        "lr": lr,
+        "grad_norm": float(grad_norm),
+        "tokens_per_s": tokens * run.ranks.world_size / seconds,
+        "tokens_per_step": tokens * run.ranks.world_size / steps,
+        "seconds_per_step": seconds / steps,
+    }
+
+
 def _loop(run: TrainingRun, phase: Phase, result: TrainResult) -> tuple[TrainResult, int, bool]:
     """Run ``phase``'s steps; returns the result, the steps done and whether its budget ended
     it."""
@@ -671,15 +686,7 @@ def _loop(run: TrainingRun, phase: Phase, result: TrainResult) -> tuple[TrainRes
         saved = done % tc.save_every == 0 or last
         # 5. log
         if logged:
-            window_seconds = time.perf_counter() - window_start
-            window_steps = len(window) // tc.grad_accumulation
-            result.train = run.metrics(window) | {
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                "tokens_per_s": window_tokens * run.ranks.world_size / window_seconds,
-                "tokens_per_step": window_tokens * run.ranks.world_size / window_steps,
-                "seconds_per_step": window_seconds / window_steps,
-            }
+            result.train = window_metrics(run, window, window_tokens, window_start, lr, grad_norm)
             run.log.log(done, phase.name, result.train)
             shown = {k: v for k, v in result.train.items() if k == "loss" or k.startswith("acc_")}
             progress.set_postfix({k: f"{v:.3f}" for k, v in shown.items()})

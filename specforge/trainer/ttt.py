@@ -318,21 +318,15 @@ def ttt_loss(
         loss: ``kl`` or ``lk`` (module docstring).
         target_temperature: the target distribution's temperature in the loss
             (:func:`sharpened`); accuracy counts the target's argmax either way.
-        reach: optional (B, T) :attr:`Rounds.reach`: step ``k`` counts at ``t`` only where
-            ``reach[t] > k``.
-        replay_depth: replay greedy chain rounds of this depth (``<= ttt_length``) from the
-            unroll's own argmaxes (:func:`replay_rounds`) into ``replayed``.
+        reach: optional (B, T) :attr:`Rounds.reach`: step ``k`` counts where ``reach > k``.
+        replay_depth: chain rounds of this depth replayed into ``replayed`` (:func:`replay`).
 
     Returns:
         The weighted loss and per-step losses / accuracy counts.
     """
-    if ttt_length < 1:
-        raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
-    if not 0 <= replay_depth <= ttt_length:
-        raise ValueError(f"replay_depth must be in 0..{ttt_length}, got {replay_depth}")
+    _check_lengths(ttt_length, replay_depth)
     loss_mask = loss_mask.bool() & attention_mask.bool()
-    total = torch.zeros((), device=input_ids.device, dtype=torch.float32)
-    states = torch.zeros((), device=input_ids.device, dtype=torch.float32)
+    total = states = torch.zeros((), device=input_ids.device, dtype=torch.float32)
     result = TTTResult(total, [], [], [], [], [])
     matched = torch.zeros(*loss_mask.shape, replay_depth, dtype=torch.bool, device=loss_mask.device)
     chain = torch.ones_like(loss_mask)
@@ -347,43 +341,84 @@ def ttt_loss(
         start=start,
     )
     for k, hidden in enumerate(steps):
-        # 2. it predicts token t+2+k: counted where the mask holds at t+2+k, scored against
-        # the target's distribution at t+1+k
+        # 2. it predicts t+2+k: counted where the mask holds there, scored by the target at t+1+k
         counted = shift_left(loss_mask, 2 + k, fill=False)
         if reach is not None:
             counted = counted & (reach > k)
         rows, cols = counted[:, start:].nonzero(as_tuple=True)
         cols = cols + start
-        target_probs = sharpened(target_dist.probs[rows, cols + 1 + k], target_temperature)
-        target_argmax = target_dist.argmax[rows, cols + 1 + k]
-        scored = target_dist.in_draft[rows, cols + 1 + k]
-        # 3. logits at counted positions only; the loss, mean over scored ones
-        # (B, T - start, H) -> (N, H) -> (N, draft_vocab_size)
-        logits = draft.logits(hidden[rows, cols - start])
-        per_position = position_losses(logits, target_probs, loss)
-        step_loss = (per_position * scored).sum() / scored.sum().clamp(min=1)
+        states_k = hidden[rows, cols - start]  # 3. the loss at counted positions: (N, H)
+        step = _score_step(
+            draft, states_k, target_dist, rows, cols + 1 + k, loss, target_temperature
+        )
         if reach is None:
-            total = total + step_weight**k * step_loss
+            total = total + step_weight**k * step.loss
         else:
-            total, states = total + (per_position * scored).sum(), states + scored.sum()
+            total, states = total + step.loss_sum, states + step.scored.sum()
         # 4. accuracy: draft argmax mapped to target ids vs the target's argmax
-        with torch.no_grad():
-            correct = torch.zeros_like(counted)
-            drafted = draft.to_target_ids(logits.max(-1).indices)
-            correct[rows, cols] = drafted == target_argmax
-            if k < replay_depth:
-                matched[rows, cols, k] = drafted == shift_left(input_ids, 2 + k)[rows, cols]
-            result.step_losses.append(step_loss.detach())
-            result.step_correct.append(correct.sum())
-            result.step_counted.append(counted.sum())
-            result.step_prev_correct.append((chain & counted).sum())
-            # position t's step-k prediction continues its chain from step k-1
-            chain = chain & correct
-            result.step_chain_correct.append(chain.sum())
+        chain = _tally(result, step, counted, (rows, cols), chain)
+        if k < replay_depth:  # the replay's matches: the draft's token is the sequence's
+            matched[rows, cols, k] = step.drafted == shift_left(input_ids, 2 + k)[rows, cols]
     result.loss = total if reach is None else total / states.clamp(min=1)
     if replay_depth:
         result.replayed = replay_rounds(matched, loss_mask)
     return result
+
+
+@dataclass
+class StepScore:
+    """One unrolled step's loss over its counted positions."""
+
+    loss: torch.Tensor
+    """The mean over the scored positions."""
+    loss_sum: torch.Tensor
+    scored: torch.Tensor
+    """(N,) bool: the target's argmax is in the draft vocabulary there."""
+    drafted: torch.Tensor
+    """(N,) the draft's argmax as target ids."""
+    target_argmax: torch.Tensor
+
+
+def _score_step(draft, hidden, target_dist, rows, cols, loss, temperature) -> StepScore:
+    """The draft's logits from ``hidden`` (N, H) scored against the target's distribution at
+    ``(rows, cols)``."""
+    target_probs = sharpened(target_dist.probs[rows, cols], temperature)
+    scored = target_dist.in_draft[rows, cols]
+    # (N, H) -> (N, draft_vocab_size)
+    logits = draft.logits(hidden)
+    per_position = position_losses(logits, target_probs, loss) * scored
+    with torch.no_grad():
+        drafted = draft.to_target_ids(logits.max(-1).indices)
+    return StepScore(
+        per_position.sum() / scored.sum().clamp(min=1),
+        per_position.sum(),
+        scored,
+        drafted,
+        target_dist.argmax[rows, cols],
+    )
+
+
+def _check_lengths(ttt_length: int, replay_depth: int) -> None:
+    if ttt_length < 1:
+        raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
+    if not 0 <= replay_depth <= ttt_length:
+        raise ValueError(f"replay_depth must be in 0..{ttt_length}, got {replay_depth}")
+
+
+@torch.no_grad()
+def _tally(result: TTTResult, step: StepScore, counted, where, chain) -> torch.Tensor:
+    """Append a step's loss and accuracy counts to ``result`` (its counted positions
+    ``where``: rows and columns); returns the positions whose steps so far were all right (a
+    step-k prediction continues its chain from step k - 1)."""
+    correct = torch.zeros_like(counted)
+    correct[where] = step.drafted == step.target_argmax
+    result.step_losses.append(step.loss.detach())
+    result.step_correct.append(correct.sum())
+    result.step_counted.append(counted.sum())
+    result.step_prev_correct.append((chain & counted).sum())
+    chain = chain & correct
+    result.step_chain_correct.append(chain.sum())
+    return chain
 
 
 @torch.no_grad()
