@@ -218,18 +218,20 @@ def replay_rounds(matched: torch.Tensor, loss_mask: torch.Tensor) -> Rounds:
     depth = matched.shape[-1]
     # (B, T, K) -> (B, T): the accepted count of a round anchored at each t
     accepted = matched.long().cumprod(-1).sum(-1).tolist()
-    reach = torch.zeros(loss_mask.shape, dtype=torch.long)
+    flags_by_row = loss_mask.bool().tolist()
+    reach = [[0] * len(flags) for flags in flags_by_row]
     rounds = emitted = 0
-    for row, flags in enumerate(loss_mask.bool().tolist()):
+    for row, flags in enumerate(flags_by_row):
         for first, end in assistant_runs(flags):
             t = first - 1
             while t + 2 < end:
                 a = accepted[row][t]
-                reach[row, t] = min(a + 1, depth)
+                reach[row][t] = min(a + 1, depth)
                 rounds += 1
                 emitted += min(a + 1, end - (t + 2))  # none past the run's end-of-turn token
                 t += a + 1
-    return Rounds(reach.to(loss_mask.device), torch.tensor(rounds), torch.tensor(emitted))
+    reached = torch.tensor(reach, dtype=torch.long, device=loss_mask.device)
+    return Rounds(reached, torch.tensor(rounds), torch.tensor(emitted))
 
 
 def assistant_runs(flags: list[bool]) -> list[tuple[int, int]]:
@@ -450,8 +452,7 @@ class TTTObjective(nn.Module):
         self.target_temperature = target_temperature
         self.replay_depth = replay_depth
         """The depth of the replayed chain rounds (``train.on_policy.depth``): the on-policy
-        loss's rounds, and the accept length reported beside the TTT loss where the unroll is
-        that deep."""
+        loss's rounds, and the accept length evaluations report beside the TTT loss."""
         self.replay = replay
         """``False``: on-policy steps train as supervised ones (``train.on_policy.replay``)."""
 
@@ -473,18 +474,20 @@ class TTTObjective(nn.Module):
         }
         common = {"loss": self.loss, "target_temperature": self.target_temperature}
         if not (on_policy and self.replay):
-            deep_enough = self.replay_depth <= self.ttt_length
+            # evaluation reports the replay's accept length (from the unroll where it is deep
+            # enough); a supervised training step leaves it out of its hot path
+            reported = 0 if self.training else self.replay_depth
+            shared = reported <= self.ttt_length
             result = ttt_loss(
                 self.draft,
                 **inputs,
                 **common,
                 ttt_length=self.ttt_length,
                 step_weight=self.step_weight,
-                replay_depth=self.replay_depth if deep_enough else 0,
+                replay_depth=reported if shared else 0,
             )
-            if self.replay_depth and not deep_enough and not self.training:
-                # evaluation reports the replay's accept length whatever the unroll's length
-                result.replayed = replay(self.draft, **inputs, depth=self.replay_depth)
+            if not shared:
+                result.replayed = replay(self.draft, **inputs, depth=reported)
             return result
         rounds = replay(self.draft, **inputs, depth=self.replay_depth)
         result = ttt_loss(
