@@ -103,32 +103,46 @@ def continue_arm(arm: str, recipe: Path, step: int, args) -> Path:
 
 
 @torch.no_grad()
-def replayed_tau(run: Path, recipe: Path, answers_file: Path, depth: int) -> dict:
-    """The accept length of chain ``depth`` over ``answers_file`` with ``run``'s newest
-    draft (float32 target and draft)."""
+def replayed_taus(runs: dict[str, Path], recipe: Path, answers_file: Path, depth: int) -> dict:
+    """The accept length of chain ``depth`` over ``answers_file`` with each run's newest draft
+    (float32 target and drafts), the target's states computed once a conversation for all."""
     cfg = load_config(
         recipe,
-        [f"output_dir={run}", "target.dtype=float32", f"train.data_path={answers_file}"],
+        ["target.dtype=float32", "train.state_cache_gb=0", f"train.data_path={answers_file}"],
     )
     source = OnlineTarget(cfg, setup_distributed("cpu"), "cpu")
-    checkpoint = latest_sound_checkpoint(run / "checkpoints")
-    draft = load_draft(checkpoint, source.head.embed_tokens).float().eval()
-    objective = TTTObjective(draft, depth, 1.0, replay_depth=depth).eval()
-    emitted = rounds = 0
+    drafts = {
+        name: load_draft(latest_sound_checkpoint(run / "checkpoints"), source.head.embed_tokens)
+        for name, run in runs.items()
+    }
+    first = next(iter(drafts.values()))
+    if any(not torch.equal(draft.hot_ids, first.hot_ids) for draft in drafts.values()):
+        raise SystemExit(f"{', '.join(runs)}: the drafts' vocabularies differ")
+    objectives = {
+        name: TTTObjective(draft.float().eval(), depth, 1.0, replay_depth=depth).eval()
+        for name, draft in drafts.items()
+    }
+    counts = {name: [0, 0] for name in runs}  # emitted tokens, rounds
     for sample in source.samples:
         batch = collate([sample], source.pad_id)
-        aux, target_dist = source.states(batch, draft)
-        replayed = objective(batch, aux, target_dist).replayed
-        emitted, rounds = emitted + int(replayed.emitted), rounds + int(replayed.rounds)
+        aux, target_dist = source.states(batch, first)
+        for name, objective in objectives.items():
+            replayed = objective(batch, aux, target_dist).replayed
+            counts[name][0] += int(replayed.emitted)
+            counts[name][1] += int(replayed.rounds)
     return {
-        "tau": round(emitted / rounds, 3),
-        "rounds": rounds,
-        "conversations": len(source.samples),
+        name: {
+            "tau": round(emitted / rounds, 3),
+            "rounds": rounds,
+            "conversations": len(source.samples),
+        }
+        for name, (emitted, rounds) in counts.items()
     }
 
 
-def arm_row(arm: str, run: Path, recipe: Path, start_step: int, sets: dict, depth: int) -> dict:
-    """One arm's steps, training metrics and accept length on each set."""
+def arm_row(arm: str, run: Path, start_step: int, scores: dict) -> dict:
+    """One arm's steps, training metrics and accept length on each set (``scores``: by set,
+    then by arm)."""
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     phase = [m for m in metrics if m.get("split") == "on_policy"]
     held_out = [m for m in metrics if m.get("split") == "eval"]
@@ -137,7 +151,7 @@ def arm_row(arm: str, run: Path, recipe: Path, start_step: int, sets: dict, dept
         "steps": phase[-1]["step"] - start_step,
         "held_out_tau_replay": round(held_out[-1].get("tau_replay", float("nan")), 3),
         "held_out_tau_pred": round(held_out[-1]["tau_pred"], 3),
-        **{name: replayed_tau(run, recipe, path, depth) for name, path in sets.items()},
+        **{name: by_arm[arm] for name, by_arm in scores.items()},
     }
 
 
@@ -156,14 +170,11 @@ def main() -> None:
     recipe, step = start_recipe(Path(args.start), Path(args.output))
     sets = dict(item.split("=", 1) for item in args.set)
     sets = {name: answers(name, questions, recipe, args) for name, questions in sets.items()}
-    start = {
-        name: replayed_tau(Path(args.start), recipe, path, args.depth)
-        for name, path in sets.items()
-    }
-    rows = [
-        arm_row(arm, continue_arm(arm, recipe, step, args), recipe, step, sets, args.depth)
-        for arm in ARMS
-    ]
+    runs = {"start": Path(args.start)}
+    runs |= {arm: continue_arm(arm, recipe, step, args) for arm in ARMS}
+    scores = {name: replayed_taus(runs, recipe, path, args.depth) for name, path in sets.items()}
+    start = {name: by_arm["start"] for name, by_arm in scores.items()}
+    rows = [arm_row(arm, runs[arm], step, scores) for arm in ARMS]
     write_result(
         Path(args.result or Path(args.output) / "ab.json"),
         {"settings": vars(args), "start_step": step, "start": start, "rows": rows},
