@@ -11,7 +11,15 @@ Each step runs the project's own CLI (``specforge train``, ``export``, ``bench``
 subprocess and is skipped on a rerun when its output is there (a trained run's checkpoint, an
 export, a ``bench.json``). A DFlash draft is benched at its block (``block_size - 1`` tokens a
 round), an EAGLE-3 draft at chain ``--eagle-steps``. Prompt lookup (``--prompt-lookup N``)
-proposes from the prompt, not from a draft, so it runs once, beside the first family's bench.
+proposes from the prompt, not from a draft, so it runs once, beside the first arm's bench.
+``--arm NAME FAMILY [KEY=VALUE ...]`` (repeatable) replaces ``--families`` with arms that
+differ in training settings too, e.g. DFlash's hard and soft labels:
+
+    python benchmarks/draft_family_ab.py --data outputs/ab/data/conversations.jsonl \\
+        --questions question.jsonl --limit 10 --arm hard dflash \\
+        --arm soft dflash draft.block_labels=soft --title 'DFlash labels at equal time (cpu)' \\
+        --output outputs/ab_labels --result docs/results/dflash_labels_cpu.json
+
 Run it alone (2 CPU cores).
 """
 
@@ -35,11 +43,12 @@ def specforge(*arguments: str) -> None:
     subprocess.run(command, check=True)
 
 
-def run_family(family: str, args) -> dict:
-    """Train, export and bench one family; returns its row. Prompt lookup runs beside the
-    first family's bench only."""
-    lookup_tokens = args.prompt_lookup if family == args.families[0] else 0
-    out = Path(args.output) / family
+def run_arm(arm: list[str], args, first: bool) -> dict:
+    """Train, export and bench one arm (``[name, family, overrides...]``); returns its row.
+    Prompt lookup runs beside the first arm's bench only."""
+    name, family, arm_overrides = arm[0], arm[1], arm[2:]
+    lookup_tokens = args.prompt_lookup if first else 0
+    out = Path(args.output) / name
     common = ["--config", RECIPE, f"output_dir={out}"]
     if not (out / "checkpoints").is_dir():
         specforge(
@@ -49,6 +58,7 @@ def run_family(family: str, args) -> dict:
             f"train.max_minutes={args.minutes}",
             f"draft.type={family}",
             *args.overrides,
+            *arm_overrides,
         )
     export = out / "export"
     if not (export / "config.json").is_file():
@@ -58,7 +68,7 @@ def run_family(family: str, args) -> dict:
         if family == "dflash"
         else args.eagle_steps
     )
-    bench = Path(args.output) / f"bench_{family}"
+    bench = Path(args.output) / f"bench_{name}"
     if not (bench / "bench.json").is_file():
         specforge(
             "bench",
@@ -76,7 +86,9 @@ def run_family(family: str, args) -> dict:
     trained = [m for m in metrics if m.get("split") == "train"]
     report = json.loads((bench / "bench.json").read_text())
     return {
-        "family": family,
+        "family": name,
+        "draft_type": family,
+        "overrides": arm_overrides,
         "steps": trained[-1]["step"],
         "held_out_tau_pred": round(evals[-1]["tau_pred"], 3),
         "bench_num_steps": steps,
@@ -109,18 +121,30 @@ def main() -> None:
         "--prompt-lookup", type=int, default=0, help="prompt lookup's tokens a round (0: off)"
     )
     parser.add_argument("--families", nargs="+", default=["eagle3", "dflash"])
+    parser.add_argument(
+        "--arm",
+        nargs="+",
+        action="append",
+        metavar="NAME FAMILY [KEY=VALUE]",
+        help="an arm with its own training overrides (repeatable; replaces --families)",
+    )
     parser.add_argument("--output", default="outputs/ab", help="the runs' folder")
     parser.add_argument("--result", default=None, help="the JSON (default OUTPUT/ab.json)")
+    parser.add_argument("--title", default="Draft families at equal time (cpu)")
     parser.add_argument("overrides", nargs="*", help="training overrides for every family")
     args = parser.parse_args()
-    rows = [run_family(family, args) for family in args.families]
+    arms = args.arm or [[family, family] for family in args.families]
+    if any(len(arm) < 2 for arm in arms):
+        parser.error(f"--arm needs NAME FAMILY [KEY=VALUE ...], got {args.arm}")
+    rows = [run_arm(arm, args, first=i == 0) for i, arm in enumerate(arms)]
     questions = f"{args.limit or 'all'} questions of {args.questions}"
     write_result(
         Path(args.result or Path(args.output) / "ab.json"),
         {"settings": vars(args), "rows": rows},
-        title="Draft families at equal time (cpu)",
+        title=args.title,
         summary=(
-            f"EAGLE-3 and DFlash drafts trained {args.minutes:g} minutes each on "
+            f"Drafts ({', '.join(' '.join(arm) for arm in arms)}) trained {args.minutes:g} "
+            "minutes each on "
             f"{args.data} with the quickstart recipe, benched on {questions} "
             f"({args.max_new_tokens} tokens, greedy, float32 target, the engine's path as "
             "engine.compile auto chose it)."

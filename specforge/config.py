@@ -427,6 +427,12 @@ class DraftConfig:
     block_decay: float | None = 4.0
     """``dflash``: slot ``k`` of a block weighs ``exp(-(k - 1) / block_decay)`` in the loss
     (later slots are reached less often); ``null``: every slot alike."""
+    block_labels: Literal["hard", "soft"] = "hard"
+    """``dflash``: what slot ``k`` learns. ``hard``: the target's greedy token there (what
+    greedy verification accepts; on regenerated data, mostly the data's token); ``soft``: the
+    target's whole distribution there (cross-entropy to it, KL up to a constant: the
+    full-vocabulary softmax at every scored position, a step's memory grows by 4 bytes x
+    vocabulary per token). At equal time on the quickstart's corpus: docs/training.md."""
 
     def __post_init__(self) -> None:
         if self.type == "dflash" and self.variant != "eagle3":
@@ -901,11 +907,24 @@ class SpecForgeConfig:
                 f"draft's chain rounds; draft.type {self.draft.type} has no on-policy phase "
                 "(set train.on_policy.steps 0)"
             )
+        if self.draft.type == "dflash":
+            self._check_dflash_loss()
         if self.train.eval_data_path and self.data.mode == "offline":
             raise ConfigError(
                 f"train.eval_data_path ({self.train.eval_data_path}) needs the target in the "
                 "training step: data.mode offline's shards hold only the training "
                 "conversations' states"
+            )
+
+    def _check_dflash_loss(self) -> None:
+        """A DFlash draft's loss is ``draft.block_labels``: EAGLE-3's loss settings would be
+        silently ignored, so setting them is an error."""
+        train = self.train
+        if train.loss != "kl" or train.target_temperature != 1.0:
+            raise ConfigError(
+                f"train.loss ({train.loss}) and train.target_temperature "
+                f"({train.target_temperature}) shape EAGLE-3's loss; draft.type dflash learns "
+                "from draft.block_labels (hard or soft): leave them at kl and 1.0"
             )
 
     def _check_decode_kernel(self) -> None:

@@ -61,7 +61,7 @@ from specforge.trainer.checkpoint import (
     read_trainer_state,
     save_checkpoint,
 )
-from specforge.trainer.dflash import ArgmaxOnly, DFlashObjective, block_metrics
+from specforge.trainer.dflash import BlockVocabulary, DFlashObjective, block_metrics
 from specforge.trainer.metrics import MetricsLog, ttt_metrics
 from specforge.trainer.optim import apply_lr, build_optimizer, set_lr
 from specforge.trainer.sources import (
@@ -124,7 +124,7 @@ class TrainingRun:
     several ranks."""
     vocabulary: object
     """What the source reads of the draft's vocabulary (``hot_ids``, ``t2d``): the EAGLE-3
-    draft itself, or :class:`ArgmaxOnly` for a DFlash draft."""
+    draft itself, or :class:`BlockVocabulary` for a DFlash draft."""
     optimizer: torch.optim.Optimizer
     batches: StepBatches
     eval_samples: list[TokenizedSample]
@@ -196,7 +196,10 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     train_samples, eval_samples, eval_data = split_samples(cfg, source)
     # 2. the draft (and an EAGLE-3 draft's vocabulary), initialised from the target
     draft, draft_config, vocab_map = build_draft(cfg, source, train_samples, device)
-    vocabulary = draft if vocab_map is not None else ArgmaxOnly.of(draft_config.vocab_size, device)
+    vocabulary = draft
+    if vocab_map is None:
+        labels = cfg.draft.block_labels
+        vocabulary = BlockVocabulary.of(draft_config.vocab_size, device, labels)
     # 3. optimizer, resume, and the objective DDP wraps
     optimizer = build_optimizer(
         [p for p in draft.parameters() if p.requires_grad], tc, ranks.world_size
@@ -219,7 +222,10 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     )
     if cfg.draft.type == "dflash":
         objective = DFlashObjective(
-            draft, anchors=cfg.draft.anchors, block_decay=cfg.draft.block_decay
+            draft,
+            anchors=cfg.draft.anchors,
+            block_decay=cfg.draft.block_decay,
+            labels=cfg.draft.block_labels,
         )
     if ranks.world_size > 1:
         objective = nn.parallel.DistributedDataParallel(objective)

@@ -13,11 +13,10 @@ training):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from specforge.data.batching import Batch
@@ -183,45 +182,56 @@ def block_loss(
 
 
 def soft_targets(
-    target_logits: torch.Tensor, anchors: torch.Tensor, block_size: int
+    target_probs: torch.Tensor, anchors: torch.Tensor, block_size: int
 ) -> torch.Tensor:
-    """The target's distribution over each slot's token: its softmax at ``anchor + k - 1``
-    ((B, S, V) -> (B, N, Bk, V); the anchor's own row is a placeholder, never counted)."""
-    length = target_logits.shape[1]
+    """The target's distribution over each slot's token: its distribution at
+    ``anchor + k - 1`` ((B, S, V) -> (B, N, Bk, V); the anchor's own row is a placeholder,
+    never counted)."""
+    length = target_probs.shape[1]
     positions = anchors[..., None] + torch.arange(block_size, device=anchors.device) - 1
-    safe = positions.clamp(0, length - 1)
-    batch, blocks = anchors.shape
-    index = safe.flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1])
-    rows = target_logits.gather(1, index)
-    return F.softmax(rows.float(), -1).view(batch, blocks, block_size, -1)
+    rows = torch.arange(anchors.shape[0], device=anchors.device)[:, None, None]
+    return target_probs[rows, positions.clamp(0, length - 1)]
 
 
 @dataclass
-class ArgmaxOnly:
-    """What a hidden-state source reads of a draft's vocabulary (``hot_ids``, ``t2d``), for an
-    objective that needs the target's argmax alone: every id is in the vocabulary, and one
-    id's probability (never read) is all that is computed beside the argmax."""
+class BlockVocabulary:
+    """What a hidden-state source reads of a draft's vocabulary (``hot_ids``, ``t2d``) for the
+    block objective: every id is in the vocabulary; hard labels need the target's argmax
+    alone (one id's probability, never read, is computed beside it), soft labels its
+    distribution over every id."""
 
     t2d: torch.Tensor
     """(V,) all True."""
-    hot_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.long))
+    hot_ids: torch.Tensor
+    """The ids whose probabilities the source computes: ``[0]`` (hard) or all (soft)."""
 
     @classmethod
-    def of(cls, vocab_size: int, device) -> ArgmaxOnly:
+    def of(cls, vocab_size: int, device, labels: str = "hard") -> BlockVocabulary:
+        ids = vocab_size if labels == "soft" else 1
         return cls(
             t2d=torch.ones(vocab_size, dtype=torch.bool, device=device),
-            hot_ids=torch.zeros(1, dtype=torch.long, device=device),
+            hot_ids=torch.arange(ids, dtype=torch.long, device=device),
         )
 
 
 class DFlashObjective(nn.Module):
     """The DFlash draft and its block loss as one module (DDP sees the whole step in
     ``forward``): training draws ``anchors`` random blocks per sequence (the global RNG, saved
-    with each checkpoint); evaluation scores every eligible block, ``anchors`` at a time."""
+    with each checkpoint); evaluation scores every eligible block, ``anchors`` at a time.
+    ``labels``: ``hard`` (the target's greedy tokens) or ``soft`` (its distributions, which
+    the source computes over the whole vocabulary: :class:`BlockVocabulary`)."""
 
-    def __init__(self, draft: DFlashDraftModel, *, anchors: int, block_decay: float | None):
+    def __init__(
+        self,
+        draft: DFlashDraftModel,
+        *,
+        anchors: int,
+        block_decay: float | None,
+        labels: str = "hard",
+    ):
         super().__init__()
         self.draft, self.anchors, self.block_decay = draft, anchors, block_decay
+        self.labels = labels
 
     def forward(self, batch: Batch, aux_hidden_states: torch.Tensor, target_dist) -> BlockLoss:
         loss_mask = batch.loss_mask.bool() & batch.attention_mask.bool()
@@ -235,7 +245,12 @@ class DFlashObjective(nn.Module):
         for anchors, keep in groups:
             logits = self.draft.train_blocks(aux_hidden_states, batch.input_ids, anchors, keep)
             labels, counts = greedy_labels(target_dist.argmax, anchors, keep, block_size)
-            results.append(block_loss(logits, labels, counts, gamma=self.block_decay))
+            probs = None
+            if self.labels == "soft":
+                probs = soft_targets(target_dist.probs, anchors, block_size)
+            results.append(
+                block_loss(logits, labels, counts, gamma=self.block_decay, target_probs=probs)
+            )
         return merged(results)
 
 

@@ -6,7 +6,10 @@ import math
 
 import torch
 
+from specforge.data.batching import Batch
 from specforge.trainer.dflash import (
+    BlockVocabulary,
+    DFlashObjective,
     block_loss,
     block_targets,
     greedy_labels,
@@ -14,6 +17,8 @@ from specforge.trainer.dflash import (
     slot_weights,
     soft_targets,
 )
+from specforge.trainer.ttt import TargetDistribution
+from tests.models.test_dflash import VOCAB, tiny_dflash
 
 
 def test_anchors_are_followed_by_an_assistant_token_and_never_repeat():
@@ -75,7 +80,7 @@ def test_accepted_counts_stop_at_the_first_miss_and_give_tau():
 
 def test_soft_targets_are_the_targets_softmax_before_each_label():
     target_logits = torch.randn(1, 6, 5, generator=torch.Generator().manual_seed(1))
-    probs = soft_targets(target_logits, torch.tensor([[2]]), block_size=3)
+    probs = soft_targets(target_logits.softmax(-1), torch.tensor([[2]]), block_size=3)
     torch.testing.assert_close(probs[0, 0, 1], target_logits[0, 2].softmax(-1))
     torch.testing.assert_close(probs[0, 0, 2], target_logits[0, 3].softmax(-1))
     # soft targets equal to one-hot labels give the hard loss
@@ -99,3 +104,43 @@ def test_greedy_labels_are_the_target_s_argmax_before_each_slot():
     # the block at 4: slot 1 reads position 4 (none), slots 2-3 positions 5-6, nothing past 6
     assert counts[0, 1].tolist() == [False, False, True, True]
     assert labels[0, 1, 2:].tolist() == [16, 17]
+
+
+def test_soft_labels_are_the_target_s_distribution_before_each_slot():
+    """``draft.block_labels: soft``: each counted slot's cross-entropy to the target's whole
+    distribution at the position before its token, weighted by slot as the hard loss is."""
+    _, draft = tiny_dflash(block_size=4)
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB - 1, (1, 12), generator=generator)
+    loss_mask = torch.ones(1, 12, dtype=torch.bool)
+    loss_mask[0, :4] = False  # a prompt
+    batch = Batch(ids, torch.ones(1, 12, dtype=torch.long), loss_mask)
+    features = torch.randn(1, 12, draft.fc.in_features, generator=generator)
+    target_logits = torch.randn(1, 12, VOCAB, generator=generator)
+    dist = TargetDistribution(
+        target_logits.softmax(-1), target_logits.argmax(-1), torch.ones(1, 12, dtype=torch.bool)
+    )
+    objective = DFlashObjective(draft, anchors=16, block_decay=2.0, labels="soft").eval()
+    with torch.no_grad():
+        soft = objective(batch, features, dist)
+        objective.labels = "hard"
+        hard = objective(batch, features, dist)
+        anchors = torch.arange(3, 11)[None]  # every anchor with an assistant token after it
+        logits = draft.train_blocks(features, ids, anchors, torch.ones_like(anchors, dtype=bool))
+    total = weights = 0.0
+    for j, anchor in enumerate(anchors[0].tolist()):
+        for k in range(1, min(4, 13 - anchor)):  # slot k reads position anchor + k - 1 < 12
+            weight = math.exp(-(k - 1) / 2.0)
+            p = target_logits[0, anchor + k - 1].softmax(-1)
+            total += weight * -(p * logits[0, j, k].log_softmax(-1)).sum()
+            weights += weight
+    torch.testing.assert_close(soft.loss, total / weights)
+    assert (soft.accepted, soft.blocks) == (hard.accepted, hard.blocks)
+    assert not torch.isclose(soft.loss, hard.loss)
+
+
+def test_block_vocabulary_computes_what_the_labels_read():
+    hard, soft = (BlockVocabulary.of(VOCAB, "cpu", labels) for labels in ("hard", "soft"))
+    assert hard.t2d.all() and soft.t2d.all() and len(hard.t2d) == VOCAB
+    assert hard.hot_ids.tolist() == [0]
+    assert soft.hot_ids.tolist() == list(range(VOCAB))
