@@ -154,6 +154,9 @@ docs/export-and-serving.md's table names its version (``tests/test_docs.py`` kee
 VLLM_ENV = Path.home() / ".cache" / "specforge" / VLLM_PIN.replace("==", "-")
 """Where the suite keeps its own environment with the pinned vLLM (made on request)."""
 
+INSTALL_TIMEOUT_S = 600
+"""The longest a step of making the vLLM environment may take (CI's time is bounded)."""
+
 
 def vllm_version(python: Path | str) -> str | None:
     """The vLLM version ``python`` imports, or ``None``."""
@@ -178,7 +181,12 @@ def install_vllm(env: Path) -> str | None:
         [str(env / "bin" / "pip"), "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
     ]
     for step in steps:
-        done = subprocess.run(step, capture_output=True, text=True, check=False)
+        try:
+            done = subprocess.run(
+                step, capture_output=True, text=True, check=False, timeout=INSTALL_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            return f"{Path(step[0]).name} {step[1]} ... took over {INSTALL_TIMEOUT_S} s"
         if done.returncode != 0 and "uninstall" not in step:
             return (done.stderr or done.stdout).strip().splitlines()[-1]
     return None
