@@ -12,7 +12,9 @@ Each ``--export NAME=DIR:STEPS:BENCH_JSON`` is served at ``STEPS`` tokens a roun
 ``specforge bench --engine vllm`` (a subprocess launching vLLM with the draft, then without);
 the built-in runtime's figures come from ``BENCH_JSON``, a built-in bench of the same export
 whose turns include these questions, compared on the turns both ran (``--agree-with``: the
-gate of :mod:`specforge.serving.agreement`, with the export's checks).
+gate of :mod:`specforge.serving.agreement`, with the export's checks). vLLM runs eagerly
+(``--enforce-eager``, the bench's default) unless ``--compiled`` (``--no-enforce-eager``: vLLM's
+compiled forward, on a CPU torch.compile's).
 Run it alone (vLLM and the bench share the CPU).
 """
 
@@ -41,6 +43,7 @@ def serve(name: str, export: str, steps: int, bench_json: str, args) -> dict:
             *("--questions", args.questions, "--limit", str(args.limit)),
             *("--num-steps", str(steps), "--max-new-tokens", str(args.max_new_tokens)),
             *("--agree-with", bench_json, "--output", str(out)),
+            *(['bench.vllm_args=["--no-enforce-eager"]'] if args.compiled else []),
         ]
         print("$", " ".join(command[2:]), flush=True)
         subprocess.run(command, check=True)
@@ -56,6 +59,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--output", default="outputs/vllm")
     parser.add_argument("--result", default=None)
+    parser.add_argument(
+        "--compiled", action="store_true", help="vLLM compiled (--no-enforce-eager), not eager"
+    )
     args = parser.parse_args()
     rows = []
     for spec in args.export:
@@ -103,12 +109,14 @@ def main() -> None:
         ]
         for r in rows
     ]
+    mode = "compiled" if args.compiled else "eager"
     record = write_result(
         Path(args.result or Path(args.output) / "agreement.json"),
         {"settings": vars(args), "rows": rows},
-        title="The exports served by vLLM beside the built-in runtime (cpu)",
+        title=f"The exports served by vLLM{' (compiled)' if args.compiled else ''} beside the "
+        "built-in runtime (cpu)",
         summary=(
-            f"vLLM ({rows[0]['vllm_version']}, float32, eager, one request at a time) serving "
+            f"vLLM ({rows[0]['vllm_version']}, float32, {mode}, one request at a time) serving "
             f"each export on the first {args.limit} questions of {args.questions} "
             f"({args.max_new_tokens} tokens, greedy), against vLLM without the draft; the "
             "built-in runtime's accept length on the same turns from its own bench."
