@@ -247,6 +247,12 @@ class DFlashObjective(nn.Module):
             labels, counts = greedy_labels(target_dist.argmax, anchors, keep, block_size)
             probs = None
             if self.labels == "soft":
+                if target_dist.probs.shape[-1] != logits.shape[-1]:
+                    raise ValueError(
+                        f"soft labels need the target's distribution over all "
+                        f"{logits.shape[-1]} ids, got {target_dist.probs.shape[-1]} "
+                        "(BlockVocabulary.of(..., labels='soft'))"
+                    )
                 probs = soft_targets(target_dist.probs, anchors, block_size)
             results.append(
                 block_loss(logits, labels, counts, gamma=self.block_decay, target_probs=probs)

@@ -4,6 +4,7 @@ position before each label, and the accept count a greedy verification would rea
 
 import math
 
+import pytest
 import torch
 
 from specforge.data.batching import Batch
@@ -137,6 +138,10 @@ def test_soft_labels_are_the_target_s_distribution_before_each_slot():
     torch.testing.assert_close(soft.loss, total / weights)
     assert (soft.accepted, soft.blocks) == (hard.accepted, hard.blocks)
     assert not torch.isclose(soft.loss, hard.loss)
+    # a distribution over fewer ids (a hard vocabulary's one) would broadcast: refused
+    objective.labels = "soft"
+    with pytest.raises(ValueError, match=f"all {VOCAB} ids"):
+        objective(batch, features, TargetDistribution(dist.probs[..., :1], dist.argmax, None))
 
 
 def test_block_vocabulary_computes_what_the_labels_read():
