@@ -74,8 +74,9 @@ def target_distribution(
 
     The probabilities come from the draft vocabulary's rows of ``lm_head`` alone; the
     full-vocabulary logits, six times that product for a 49k vocabulary and 8k draft ids,
-    exist only for the argmax, ``chunk_size`` positions at a time, and not at all when an
-    earlier pass's ``argmax`` is given (``train.state_cache_gb``).
+    exist only for the argmax (and are that product when the draft vocabulary is every id
+    in order), ``chunk_size`` positions at a time, and not at all when an earlier pass's
+    ``argmax`` is given (``train.state_cache_gb``).
 
     Args:
         last_hidden_state: (B, T, Ht) after the target's final norm.
@@ -97,16 +98,24 @@ def target_distribution(
     # (B, T, Ht) -> (N, Ht), the N selected positions
     flat = last_hidden_state[rows]
     weight = lm_head_weight.to(flat.dtype)
-    hot_weight, hot_bias = weight[hot_ids], None if bias is None else bias[hot_ids]
+    # every id in order (a DFlash draft's soft labels): one product gives both
+    every_id = len(hot_ids) == weight.shape[0] and torch.equal(
+        hot_ids, torch.arange(len(hot_ids), device=hot_ids.device)
+    )
+    hot_weight, hot_bias = weight, bias
+    if not every_id:
+        hot_weight, hot_bias = weight[hot_ids], None if bias is None else bias[hot_ids]
     probs, argmaxes = [], []
     for start in range(0, flat.shape[0], chunk_size):
         chunk = flat[start : start + chunk_size]
+        # (chunk, Ht) @ (Ht, Vd) -> (chunk, Vd)
+        hot = _logits(chunk, hot_weight, hot_bias, transform)
         if argmax is None:
             # (chunk, Ht) @ (Ht, V) -> (chunk, V)
             # the first maximum, as argmax; faster in bf16
-            argmaxes.append(_logits(chunk, weight, bias, transform).max(-1).indices)
-        # (chunk, Ht) @ (Ht, Vd) -> (chunk, Vd)
-        probs.append(_logits(chunk, hot_weight, hot_bias, transform).float().softmax(-1))
+            full = hot if every_id else _logits(chunk, weight, bias, transform)
+            argmaxes.append(full.max(-1).indices)
+        probs.append(hot.float().softmax(-1))
     out_probs = flat.new_zeros(batch, length, len(hot_ids), dtype=torch.float32)
     out_argmax = torch.full((batch, length), -1, dtype=torch.long, device=flat.device)
     if probs:

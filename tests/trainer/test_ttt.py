@@ -76,6 +76,24 @@ def test_target_distribution_chunking_and_restriction():
         assert torch.equal(getattr(again, field), getattr(whole, field))
 
 
+def test_every_id_in_order_gives_the_full_softmax_and_argmax_from_one_product():
+    """A distribution over every id (a DFlash draft's soft labels) equals the full softmax and
+    argmax, as a shuffled full vocabulary (two products) does, reordered."""
+    target, _, _, _, _, _, out = inputs()
+    every = torch.ones(96, dtype=torch.bool)
+    dist = target_distribution(
+        out.hidden_states[-1], target.lm_head.weight, hot_ids=torch.arange(96), t2d=every
+    )
+    assert torch.equal(dist.argmax, out.logits.argmax(-1))
+    torch.testing.assert_close(dist.probs, out.logits.float().softmax(-1), rtol=1e-5, atol=1e-6)
+    shuffled = torch.randperm(96, generator=torch.Generator().manual_seed(0))
+    apart = target_distribution(
+        out.hidden_states[-1], target.lm_head.weight, hot_ids=shuffled, t2d=every
+    )
+    assert torch.equal(apart.argmax, dist.argmax)
+    torch.testing.assert_close(apart.probs, dist.probs[..., shuffled])
+
+
 def test_counted_positions_are_the_loss_mask_shifted_by_two_plus_k():
     target, draft, ids, attention_mask, loss_mask, aux, out = inputs()
     hot = torch.arange(32) + draft.d2t
