@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -200,7 +201,8 @@ def server_command(python: str, target: str, port: int, extra: list[str]) -> lis
 @contextmanager
 def launched_server(command: list[str], port: int, log: Path, *, timeout: float) -> Iterator[str]:
     """Run ``command`` (a vLLM server on ``port``) with its output in ``log``; yields its URL
-    once ``/health`` answers, and stops it (its whole process group) on the way out.
+    once ``/health`` answers, and stops it (its whole process group) on the way out, a SIGTERM
+    to this process included (:func:`_sigterm_unwinds`).
 
     Raises:
         UserError: the server exits or does not become healthy within ``timeout`` seconds
@@ -210,7 +212,7 @@ def launched_server(command: list[str], port: int, log: Path, *, timeout: float)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     url = f"http://127.0.0.1:{port}"
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as sink:
+    with log.open("w") as sink, _sigterm_unwinds():
         process = subprocess.Popen(
             command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
@@ -219,6 +221,27 @@ def launched_server(command: list[str], port: int, log: Path, *, timeout: float)
             yield url
         finally:
             _stop(process)
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """While inside, a SIGTERM (``kill``, a scheduler's time limit) exits through the stack
+    (``SystemExit(143)``) instead of ending the process where it stands, so the ``finally``
+    that stops a launched server runs: the server runs in its own session (a terminal's Ctrl-C
+    does not reach it), so nothing else would stop it. Python delivers signals to the main
+    thread only; elsewhere this does nothing. The previous handler comes back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _exit_on_sigterm(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _wait_healthy(process: subprocess.Popen, url: str, log: Path, timeout: float) -> None:

@@ -130,6 +130,39 @@ def test_a_launched_server_is_health_checked_logged_and_stopped(tmp_path):
     assert log.is_file()
 
 
+SIGTERMED = """
+import sys, time
+from pathlib import Path
+from specforge.serving.vllm_client import free_port, launched_server
+port = free_port()
+command = [sys.executable, sys.argv[1], "--port", str(port), "--speculative"]
+with launched_server(command, port, Path(sys.argv[2]), timeout=60) as url:
+    print(url, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_sigterm_to_the_bench_stops_the_server_it_launched(tmp_path):
+    """``kill`` (or a scheduler's time limit) on the process that launched a server: the server,
+    in a session of its own, is stopped too, not left holding its port and memory."""
+    bench = subprocess.Popen(
+        [sys.executable, "-c", SIGTERMED, str(STANDIN), str(tmp_path / "vllm.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
+    try:
+        url = bench.stdout.readline().strip()
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
+            assert response.status == 200
+        bench.terminate()
+        assert bench.wait(timeout=90) == 128 + 15
+    finally:
+        bench.kill()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{url}/health", timeout=5)
+
+
 def test_a_server_that_exits_is_one_error_quoting_its_log(tmp_path):
     command = [sys.executable, "-c", "print('ValueError: no such model'); raise SystemExit(3)"]
     with pytest.raises(UserError, match=r"exited \(3\)[\s\S]*ValueError: no such model"):
