@@ -164,6 +164,22 @@ def test_no_function_is_longer_than_the_limit():
     assert long_functions() == []
 
 
+RUNTIME_MAX_LINES = 400
+"""The runtime's loop (propose -> verify -> accept) stays small: a draft family is a proposer
+in its own file under ``serving/proposers``, the cost policy lives in ``serving/policy``."""
+
+
+def test_the_runtime_stays_small_and_each_proposer_has_its_own_file():
+    runtime = PACKAGE / "serving" / "speculative.py"
+    assert len(runtime.read_text().splitlines()) < RUNTIME_MAX_LINES
+    proposers = {path.stem for path in (PACKAGE / "serving" / "proposers").glob("*.py")}
+    assert {"eagle", "dflash", "lookup"} <= proposers
+    classes = [
+        n.name for n in ast.walk(ast.parse(runtime.read_text())) if isinstance(n, ast.ClassDef)
+    ]
+    assert classes == ["SpeculativeDecoder"]  # no proposer or policy inside the runtime
+
+
 def _dotted(path: Path) -> str:
     """``specforge.x.y`` for a file under any ``specforge`` folder (the package, or a test's)."""
     parts = path.with_suffix("").parts

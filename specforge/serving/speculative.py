@@ -150,8 +150,7 @@ class SpeculativeDecoder:
 
     @property
     def draft_engine(self) -> DraftEngine | None:
-        """What runs a chain's draft forwards (CUDA graphs where the target's engine replays
-        them), or ``None``."""
+        """What runs a chain's draft forwards (CUDA graphs), or ``None``."""
         return self.proposer.engine
 
     @property
@@ -185,12 +184,10 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def prepare(self, tokens: int, widest: int = 0) -> int:
-        """Before anything is timed, for sequences of up to ``tokens`` tokens (prompt and
-        output): the engines' buffers taken once and every graph their forwards will need
-        built (:meth:`TargetEngine.prepare`, :meth:`DraftEngine.prepare`), so that no turn
-        captures or compiles; ``widest``: the most tokens another user of the target's engine
-        verifies at once (prompt lookup alone), when more than a round here. Returns the graphs
-        built (none without an engine)."""
+        """Before anything is timed, for sequences of up to ``tokens`` tokens: the engines'
+        buffers taken once and every graph their forwards need built (``prepare`` of each), so
+        no turn captures or compiles; ``widest``: the most tokens another user of the target's
+        engine verifies at once (prompt lookup alone). Returns the graphs built."""
         if self.engine is None:
             return 0
         widest = max(widest, self._widest)  # one take of the buffers: none dropped later
@@ -242,13 +239,11 @@ class SpeculativeDecoder:
             return self._fan_round(next_token, length, plan, target_cache, stats)
         # 2. verify: [last token, d_1 .. d_K] at positions length .. length + K
         depth, tokens = plan.depth, plan.tokens
-        start = self._clock()
         verify_ids = torch.tensor([next_token], device=self.device)
         if depth:
             verify_ids = torch.cat([verify_ids, tokens[:depth]])
-        target_logits, aux = self.verifier.forward(verify_ids[None], target_cache)
-        seconds = self._clock() - start
-        stats.verify_seconds += seconds
+        verify = self.verifier.forward
+        target_logits, aux, seconds = self._verify(stats, verify, verify_ids[None], target_cache)
         # 3. accept
         if not depth:
             accepted, bonus = 0, self._plain_token(target_logits[-1])
@@ -270,8 +265,9 @@ class SpeculativeDecoder:
         """Greedy ``auto``'s tree round: verify the plan's tree, accept the longest matching
         path and keep its cache rows only; the policy learns from the target's tokens."""
         tree = plan.tree
-        target_logits, aux, seconds = self._verify_tree(
-            tree, next_token, length, target_cache, stats
+        verify = self.verifier.tree
+        target_logits, aux, seconds = self._verify(
+            stats, verify, tree, next_token, length, target_cache
         )
         path, bonus = accept_greedy(tree, target_logits)
         outcome = Outcome(len(path), len(path), bonus, target_logits, seconds)
@@ -279,11 +275,11 @@ class SpeculativeDecoder:
         stats.depth_per_round.append(plan.depth)
         return self.verifier.keep_path(tree, path, bonus, length, target_cache, aux)
 
-    def _verify_tree(self, tree, next_token: int, length: int, target_cache, stats):
-        """2. The target over the root ``next_token`` and ``tree`` (timed into
-        ``stats.verify_seconds``): logits, aux rows and the seconds it took."""
+    def _verify(self, stats: SpecStats, forward, *args):
+        """2. A verification forward (the verifier's ``forward`` or ``tree`` over ``args``),
+        timed into ``stats.verify_seconds``: its logits, aux rows and the seconds it took."""
         start = self._clock()
-        target_logits, aux = self.verifier.tree(tree, next_token, length, target_cache)
+        target_logits, aux = forward(*args)
         seconds = self._clock() - start
         stats.verify_seconds += seconds
         return target_logits, aux, seconds
@@ -291,13 +287,9 @@ class SpeculativeDecoder:
     def _plain_round(self, next_token: int, target_cache, stats: SpecStats):
         """A round the draft sleeps through (``auto``'s dormancy): the target decodes one
         token alone, keeping the aux row the draft extends over when it wakes."""
-        start = self._clock()
-        logits, aux = self.verifier.forward(
-            torch.tensor([[next_token]], device=self.device), target_cache
-        )
-        verify_seconds = self._clock() - start
-        stats.verify_seconds += verify_seconds
-        self.policy.costs.observe_verify(1, verify_seconds)
+        token = torch.tensor([[next_token]], device=self.device)
+        logits, aux, seconds = self._verify(stats, self.verifier.forward, token, target_cache)
+        self.policy.costs.observe_verify(1, seconds)
         stats.depth_per_round.append(0)
         stats.dormant_rounds += 1
         return [self._plain_token(logits[-1])], 0, aux
@@ -317,7 +309,8 @@ class SpeculativeDecoder:
         )
         stats.draft_seconds += self._clock() - start
         # 2. verify root + tree in one forward with the tree mask
-        target_logits, aux, _ = self._verify_tree(tree, next_token, length, target_cache, stats)
+        verify = self.verifier.tree
+        target_logits, aux, _ = self._verify(stats, verify, tree, next_token, length, target_cache)
         # 3. accept the longest matching path; keep its cache rows only
         if self.sampling:
             target_probs = warp_probs(target_logits, self.temperature, self.top_p)
@@ -377,12 +370,9 @@ class SpeculativeDecoder:
         eos_token_ids: list[int] | tuple[int, ...] = (),
         generator: torch.Generator | None = None,
     ) -> tuple[list[int], SpecStats]:
-        """Generate up to ``max_new_tokens`` after ``input_ids`` (1, T), stopping after an EOS.
-        ``generator`` seeds sampling (``temperature > 0``; reproducibility: the class docstring).
-
-        Returns:
-            The new token ids (EOS included when generated) and the round statistics.
-        """
+        """Generate up to ``max_new_tokens`` after ``input_ids`` (1, T), stopping after an EOS;
+        ``generator`` seeds sampling (reproducibility: the class docstring). Returns the new
+        token ids (EOS included when generated) and the round statistics."""
         input_ids = input_ids.to(self.device)
         if self.auto and self.policy.costs is None:
             self.calibrate(input_ids)  # once per decoder, before anything is timed
