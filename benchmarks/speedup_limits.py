@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from draft_family_ab import specforge
 
 from specforge.results import figures_markdown, write_result
 
@@ -34,16 +34,13 @@ def run_bench(args) -> dict:
     there); returns that bench.json."""
     out = Path(args.output)
     if not (out / "bench.json").is_file():
-        command = [
-            sys.executable,
-            *("-m", "specforge.cli", "bench", "--config", RECIPE, "--draft", args.draft),
+        specforge(
+            *("bench", "--config", RECIPE, "--draft", args.draft),
             *("--questions", args.questions, "--num-steps", str(args.num_steps)),
             *("--max-new-tokens", str(args.max_new_tokens), "--prompt-lookup-num-tokens", "0"),
             *(("--limit", str(args.limit)) if args.limit else ()),
             *("--output", str(out)),
-        ]
-        print("$", " ".join(command[2:]), flush=True)
-        subprocess.run(command, check=True)
+        )
     return json.loads((out / "bench.json").read_text())
 
 
