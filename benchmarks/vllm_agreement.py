@@ -12,9 +12,10 @@ Each ``--export NAME=DIR:STEPS:BENCH_JSON`` is served at ``STEPS`` tokens a roun
 ``specforge bench --engine vllm`` (a subprocess launching vLLM with the draft, then without);
 the built-in runtime's figures come from ``BENCH_JSON``, a built-in bench of the same export
 whose turns include these questions, compared on the turns both ran (``--agree-with``: the
-gate of :mod:`specforge.serving.agreement`, with the export's checks). vLLM runs eagerly
-(``--enforce-eager``, the bench's default) unless ``--compiled`` (``--no-enforce-eager``: vLLM's
-compiled forward, on a CPU torch.compile's).
+gate of :mod:`specforge.serving.agreement`, with the export's checks). ``--modes``: vLLM eager
+(``--enforce-eager``, the bench's default) and/or compiled (``--no-enforce-eager``: vLLM's
+compiled forward, on a CPU torch.compile's), a row each; a mode's bench goes to
+``OUTPUT/NAME`` (eager) or ``OUTPUT/NAME_compiled`` and is reused when there.
 Run it alone (vLLM and the bench share the CPU).
 """
 
@@ -31,10 +32,10 @@ from specforge.results import figures_markdown, write_result
 RECIPE = "configs/smollm2-135m-eagle3.yaml"
 
 
-def serve(name: str, export: str, steps: int, bench_json: str, args) -> dict:
-    """``specforge bench --engine vllm`` for one export, gated against the built-in bench
-    ``bench_json``; returns its bench.json."""
-    out = Path(args.output) / name
+def serve(name: str, export: str, steps: int, bench_json: str, mode: str, args) -> dict:
+    """``specforge bench --engine vllm`` for one export in one ``mode``, gated against the
+    built-in bench ``bench_json``; returns its bench.json."""
+    out = Path(args.output) / (name if mode == "eager" else f"{name}_{mode}")
     if not (out / "bench.json").is_file():
         command = [
             sys.executable,
@@ -43,7 +44,7 @@ def serve(name: str, export: str, steps: int, bench_json: str, args) -> dict:
             *("--questions", args.questions, "--limit", str(args.limit)),
             *("--num-steps", str(steps), "--max-new-tokens", str(args.max_new_tokens)),
             *("--agree-with", bench_json, "--output", str(out)),
-            *(['bench.vllm_args=["--no-enforce-eager"]'] if args.compiled else []),
+            *(['bench.vllm_args=["--no-enforce-eager"]'] if mode == "compiled" else []),
         ]
         print("$", " ".join(command[2:]), flush=True)
         subprocess.run(command, check=True)
@@ -60,36 +61,51 @@ def main() -> None:
     parser.add_argument("--output", default="outputs/vllm")
     parser.add_argument("--result", default=None)
     parser.add_argument(
-        "--compiled", action="store_true", help="vLLM compiled (--no-enforce-eager), not eager"
+        "--modes",
+        nargs="+",
+        choices=["eager", "compiled"],
+        default=["eager"],
+        help="vLLM eager (--enforce-eager) and/or compiled (--no-enforce-eager)",
     )
     args = parser.parse_args()
     rows = []
     for spec in args.export:
         name, _, rest = spec.partition("=")
         export, steps, bench_json = rest.split(":")
-        engine = serve(name, export, int(steps), bench_json, args)
-        gate = engine["agreement"]
-        rows.append(
-            {
-                "draft": name,
-                "steps": int(steps),
-                "vllm_tau": engine["tau"],
-                "builtin_tau": gate["builtin_tau"],
-                "agrees": gate["agrees"],
-                "gap": gate["gap"],
-                "vllm_acceptance_per_position": engine["acceptance_per_position"],
-                "builtin_acceptance_per_position": gate["builtin_acceptance_per_position"],
-                "export_checks": gate["checks"],
-                "vllm_speedup": engine["speedup"],
-                "vllm_tokens_per_s": engine["tokens_per_s"],
-                "vllm_identical_with_and_without": engine["match_rate"],
-                "turns": engine["turns"],
-                "vllm_version": engine["engine_version"],
-                "vllm_flags": engine["settings"].get("vllm_flags"),
-            }
-        )
+        for mode in args.modes:
+            engine = serve(name, export, int(steps), bench_json, mode, args)
+            rows.append(agreement_row(name, mode, int(steps), engine))
+    write_table(rows, args)
+
+
+def agreement_row(name: str, mode: str, steps: int, engine: dict) -> dict:
+    """One export in one mode: vLLM's figures beside the built-in runtime's (the gate)."""
+    gate = engine["agreement"]
+    return {
+        "draft": name,
+        "mode": mode,
+        "steps": steps,
+        "vllm_tau": engine["tau"],
+        "builtin_tau": gate["builtin_tau"],
+        "agrees": gate["agrees"],
+        "gap": gate["gap"],
+        "vllm_acceptance_per_position": engine["acceptance_per_position"],
+        "builtin_acceptance_per_position": gate["builtin_acceptance_per_position"],
+        "export_checks": gate["checks"],
+        "vllm_speedup": engine["speedup"],
+        "vllm_tokens_per_s": engine["tokens_per_s"],
+        "vllm_identical_with_and_without": engine["match_rate"],
+        "turns": engine["turns"],
+        "vllm_version": engine["engine_version"],
+        "vllm_flags": engine["settings"].get("vllm_flags"),
+    }
+
+
+def write_table(rows: list[dict], args) -> None:
+    """The rows (a draft and a mode each) to ``--result`` with the results page's table."""
     columns = [
         "draft",
+        "vLLM",
         "steps",
         "vLLM tau",
         "built-in tau",
@@ -100,6 +116,7 @@ def main() -> None:
     table = [
         [
             r["draft"],
+            r["mode"],
             r["steps"],
             round(r["vllm_tau"], 3) if r["vllm_tau"] else None,
             round(r["builtin_tau"], 3),
@@ -109,14 +126,13 @@ def main() -> None:
         ]
         for r in rows
     ]
-    mode = "compiled" if args.compiled else "eager"
     record = write_result(
         Path(args.result or Path(args.output) / "agreement.json"),
         {"settings": vars(args), "rows": rows},
-        title=f"The exports served by vLLM{' (compiled)' if args.compiled else ''} beside the "
-        "built-in runtime (cpu)",
+        title="The exports served by vLLM beside the built-in runtime (cpu)",
         summary=(
-            f"vLLM ({rows[0]['vllm_version']}, float32, {mode}, one request at a time) serving "
+            f"vLLM ({rows[0]['vllm_version']}, float32, {' and '.join(args.modes)}, one request "
+            "at a time) serving "
             f"each export on the first {args.limit} questions of {args.questions} "
             f"({args.max_new_tokens} tokens, greedy), against vLLM without the draft; the "
             "built-in runtime's accept length on the same turns from its own bench."

@@ -227,9 +227,9 @@ def launched_server(command: list[str], port: int, log: Path, *, timeout: float)
 def _sigterm_unwinds() -> Iterator[None]:
     """While inside, a SIGTERM (``kill``, a scheduler's time limit) exits through the stack
     (``SystemExit(143)``) instead of ending the process where it stands, so the ``finally``
-    that stops a launched server runs: the server runs in its own session (a terminal's Ctrl-C
-    does not reach it), so nothing else would stop it. Python delivers signals to the main
-    thread only; elsewhere this does nothing. The previous handler comes back after."""
+    that stops a launched server runs: the server leads its own process group (a terminal's
+    Ctrl-C does not reach it), so nothing else would stop it. Python delivers signals to the
+    main thread only; elsewhere this does nothing. The previous handler comes back after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -144,7 +144,7 @@ with launched_server(command, port, Path(sys.argv[2]), timeout=60) as url:
 
 def test_a_sigterm_to_the_bench_stops_the_server_it_launched(tmp_path):
     """``kill`` (or a scheduler's time limit) on the process that launched a server: the server,
-    in a session of its own, is stopped too, not left holding its port and memory."""
+    leading a process group of its own, is stopped too, not left holding its port and memory."""
     bench = subprocess.Popen(
         [sys.executable, "-c", SIGTERMED, str(STANDIN), str(tmp_path / "vllm.log")],
         stdout=subprocess.PIPE,
