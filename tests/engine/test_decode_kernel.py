@@ -153,6 +153,7 @@ def test_a_process_loading_the_built_kernel_keeps_its_lock(tmp_path):
     (removing it made the loader fail on releasing it, and the kernel go unused)."""
     build_decode_kernel(timeout_s=900)  # built once: the loader below only loads
     directory = build_directory()
+    clear_stale_lock(directory)  # a lock a process stopped earlier left is not the loader's
     loader = subprocess.Popen(
         [sys.executable, "-c", LOADER, "15"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
