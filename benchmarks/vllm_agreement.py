@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from draft_family_ab import specforge
 
 from specforge.results import figures_markdown, write_result
 
@@ -37,17 +37,14 @@ def serve(name: str, export: str, steps: int, bench_json: str, mode: str, args) 
     built-in bench ``bench_json``; returns its bench.json."""
     out = Path(args.output) / (name if mode == "eager" else f"{name}_{mode}")
     if not (out / "bench.json").is_file():
-        command = [
-            sys.executable,
-            *("-m", "specforge.cli", "bench", "--config", RECIPE, "--engine", "vllm"),
+        specforge(
+            *("bench", "--config", RECIPE, "--engine", "vllm"),
             *("--vllm-python", args.vllm_python, "--draft", export),
             *("--questions", args.questions, "--limit", str(args.limit)),
             *("--num-steps", str(steps), "--max-new-tokens", str(args.max_new_tokens)),
             *("--agree-with", bench_json, "--output", str(out)),
             *(['bench.vllm_args=["--no-enforce-eager"]'] if mode == "compiled" else []),
-        ]
-        print("$", " ".join(command[2:]), flush=True)
-        subprocess.run(command, check=True)
+        )
     return json.loads((out / "bench.json").read_text())
 
 
