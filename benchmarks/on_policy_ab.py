@@ -4,18 +4,22 @@ supervised schedule ended) on the same corpus, one with the on-policy loss
 (``train.on_policy.replay: true``: the current draft's replayed chain rounds) and one without
 (``false``: every position and step, as the supervised steps train), scored by the accept
 length of chain ``--depth`` over the target's own greedy answers to MT-Bench and to questions
-the recipe never saw.
+the recipe never saw; then each arm is exported and benched on each set.
 
     python benchmarks/on_policy_ab.py --start outputs/quickstart --minutes 10 \\
         --set mt_bench=question.jsonl --set gsm8k=gsm8k_40.jsonl --output outputs/on_policy_ab \\
         --result docs/results/on_policy_ab_cpu.json
 
-Accept length here is the replay's (:func:`specforge.trainer.ttt.replay_rounds`): the rounds the
-runtime's greedy chain runs over the target's greedy answer, which equal the runtime's own
-(tested), read without timing anything; ``specforge bench`` confirms the winner's. The answers
-are the float32 target's (``specforge prepare --regenerate``, as the bench decodes), the draft
-scored in float32. Each arm starts from a copy of the start's newest checkpoint; every step is
-skipped on a rerun when its output is there. Run it alone (2 CPU cores).
+Accept length here is first the replay's (:func:`specforge.trainer.ttt.replay_rounds`): the
+rounds the runtime's greedy chain runs over the target's greedy answer, which equal the
+runtime's own (tested), read without timing anything. The answers are the float32 target's
+(``specforge prepare --regenerate``, as the bench decodes), the draft scored in float32. Then
+``specforge bench`` serves each arm's export as a user would (``--bench-steps``, default
+``auto``; the recipe's bench settings otherwise, every question, prompt lookup's baseline
+off): accept length, speedup over the compiled target alone, every output checked against
+the target's (``--no-bench`` skips it). Each arm starts from a copy of the start's newest
+checkpoint; every step is skipped on a rerun when its output is there (a checkpoint, an
+answers file, an export, a ``bench.json``). Run it alone (2 CPU cores).
 """
 
 from __future__ import annotations
@@ -140,6 +144,50 @@ def replayed_taus(runs: dict[str, Path], recipe: Path, answers_file: Path, depth
     }
 
 
+def bench_arms(runs: dict[str, Path], recipe: Path, sets: dict[str, str], args) -> dict:
+    """Export each arm's newest draft and bench it on each set of questions, the arms in turn
+    within a set; returns the figures by arm, then by set."""
+    exports = {}
+    for arm, run in runs.items():
+        exports[arm] = run / "export"
+        if not (exports[arm] / "config.json").is_file():
+            specforge(
+                "export",
+                "--config",
+                str(recipe),
+                f"output_dir={run}",
+                f"export.output={exports[arm]}",
+            )
+    figures: dict[str, dict] = {arm: {} for arm in runs}
+    for name, questions in sets.items():
+        for arm, run in runs.items():
+            out = Path(args.output) / f"bench_{arm}_{name}"
+            if not (out / "bench.json").is_file():
+                specforge(
+                    "bench",
+                    "--config",
+                    str(recipe),
+                    f"output_dir={run}",
+                    f"bench.draft={exports[arm]}",
+                    f"bench.questions={questions}",
+                    "bench.limit=null",
+                    f"bench.max_new_tokens={args.max_new_tokens}",
+                    f"bench.num_steps={args.bench_steps}",
+                    "bench.prompt_lookup_num_tokens=0",
+                    f"bench.output={out}",
+                )
+            report = json.loads((out / "bench.json").read_text())
+            figures[arm][name] = {
+                "tau": round(report["tau"], 3),
+                "speedup": round(report["speedup"], 3),
+                "tokens_per_s": report["tokens_per_s"],
+                "all_match": report["all_match"],
+                "turns": report["turns"],
+                "engine": report["engine"]["path"],
+            }
+    return figures
+
+
 def arm_row(arm: str, run: Path, start_step: int, scores: dict) -> dict:
     """One arm's steps, training metrics and accept length on each set (``scores``: by set,
     then by arm)."""
@@ -164,17 +212,45 @@ def main() -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--depth", type=int, default=5, help="the chain depth scored")
+    parser.add_argument(
+        "--bench",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="export each arm and run specforge bench on each set",
+    )
+    parser.add_argument("--bench-steps", default="auto", help="the bench's num_steps")
     parser.add_argument("--output", default="outputs/on_policy_ab", help="the runs' folder")
     parser.add_argument("--result", default=None, help="the JSON (default OUTPUT/ab.json)")
     args = parser.parse_args()
     recipe, step = start_recipe(Path(args.start), Path(args.output))
-    sets = dict(item.split("=", 1) for item in args.set)
-    sets = {name: answers(name, questions, recipe, args) for name, questions in sets.items()}
+    questions = dict(item.split("=", 1) for item in args.set)
+    sets = {name: answers(name, path, recipe, args) for name, path in questions.items()}
     runs = {"start": Path(args.start)}
     runs |= {arm: continue_arm(arm, recipe, step, args) for arm in ARMS}
     scores = {name: replayed_taus(runs, recipe, path, args.depth) for name, path in sets.items()}
     start = {name: by_arm["start"] for name, by_arm in scores.items()}
     rows = [arm_row(arm, runs[arm], step, scores) for arm in ARMS]
+    if args.bench:
+        benched = bench_arms({arm: runs[arm] for arm in ARMS}, recipe, questions, args)
+        for row in rows:
+            row["bench"] = benched[row["arm"]]
+    report(args, step, start, rows, list(sets))
+
+
+def bench_cells(row: dict, name: str) -> str:
+    """An arm's bench on one set, in words (empty without a bench)."""
+    if "bench" not in row:
+        return ""
+    b = row["bench"][name]
+    return (
+        f"; {name} bench ({b['turns']} turns) tau {b['tau']}, {b['speedup']}x the target "
+        f"alone, identical {b['all_match']}"
+    )
+
+
+def report(args, step: int, start: dict, rows: list[dict], names: list[str]) -> None:
+    """Write the result and print its table."""
+    benched = f" Then each arm's export benched at num_steps {args.bench_steps}." * args.bench
     write_result(
         Path(args.result or Path(args.output) / "ab.json"),
         {"settings": vars(args), "start_step": step, "start": start, "rows": rows},
@@ -184,24 +260,33 @@ def main() -> None:
             "each at the learning rate its schedule ended at, on its corpus: with the on-policy "
             "loss and without. "
             f"Accept length of chain {args.depth} over the float32 target's greedy answers "
-            f"({args.max_new_tokens} tokens a turn), by replaying the runtime's rounds."
+            f"({args.max_new_tokens} tokens a turn), by replaying the runtime's rounds." + benched
         ),
         figures={
             "start": ", ".join(f"{n} tau {v['tau']}" for n, v in start.items()),
             **{
                 r["arm"]: f"{r['steps']} steps; "
-                + ", ".join(f"{n} tau {r[n]['tau']}" for n in sets)
+                + ", ".join(f"{n} tau {r[n]['tau']}" for n in names)
+                + "".join(bench_cells(r, n) for n in names)
                 for r in rows
             },
         },
     )
-    names = list(sets)
-    print("\n| arm | steps | held-out tau_replay | " + " | ".join(names) + " |")
-    print("|---|---:|---:|" + "---:|" * len(names))
+    bench_names = names if args.bench else []
+    print(
+        "\n| arm | steps | held-out tau_replay | "
+        + " | ".join([*names, *(f"{n} bench tau / speedup / identical" for n in bench_names)])
+        + " |"
+    )
+    print("|---|---:|---:|" + "---:|" * (len(names) + len(bench_names)))
     print("| start | 0 | - | " + " | ".join(str(start[n]["tau"]) for n in names) + " |")
     for r in rows:
-        cells = " | ".join(str(r[n]["tau"]) for n in names)
-        print(f"| {r['arm']} | {r['steps']} | {r['held_out_tau_replay']} | {cells} |")
+        cells = [str(r[n]["tau"]) for n in names]
+        cells += [
+            f"{r['bench'][n]['tau']} / {r['bench'][n]['speedup']}x / {r['bench'][n]['all_match']}"
+            for n in bench_names
+        ]
+        print(f"| {r['arm']} | {r['steps']} | {r['held_out_tau_replay']} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
