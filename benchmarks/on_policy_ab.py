@@ -237,20 +237,37 @@ def main() -> None:
     report(args, step, start, rows, list(sets))
 
 
-def bench_cells(row: dict, name: str) -> str:
-    """An arm's bench on one set, in words (empty without a bench)."""
-    if "bench" not in row:
-        return ""
+def bench_cell(row: dict, name: str) -> str:
+    """An arm's bench on one set: accept length, speedup, identical turns."""
     b = row["bench"][name]
-    return (
-        f"; {name} bench ({b['turns']} turns) tau {b['tau']}, {b['speedup']}x the target "
-        f"alone, identical {b['all_match']}"
-    )
+    identical = f"{b['turns']}/{b['turns']}" if b["all_match"] else "NOT all identical"
+    return f"{b['tau']}, {b['speedup']}x, {identical}"
 
 
 def report(args, step: int, start: dict, rows: list[dict], names: list[str]) -> None:
     """Write the result and print its table."""
     benched = f" Then each arm's export benched at num_steps {args.bench_steps}." * args.bench
+    bench_names = names if args.bench else []
+    table = {
+        "columns": [
+            "arm",
+            "steps",
+            "held-out tau_replay",
+            *(f"{n} chain-{args.depth} tau (replay)" for n in names),
+            *(f"{n} {args.bench_steps}: tau, speedup, identical" for n in bench_names),
+        ],
+        "rows": [["start", 0, "-", *(start[n]["tau"] for n in names), *("-" for _ in bench_names)]]
+        + [
+            [
+                r["arm"],
+                r["steps"],
+                r["held_out_tau_replay"],
+                *(r[n]["tau"] for n in names),
+                *(bench_cell(r, n) for n in bench_names),
+            ]
+            for r in rows
+        ],
+    }
     write_result(
         Path(args.result or Path(args.output) / "ab.json"),
         {"settings": vars(args), "start_step": step, "start": start, "rows": rows},
@@ -262,31 +279,12 @@ def report(args, step: int, start: dict, rows: list[dict], names: list[str]) -> 
             f"Accept length of chain {args.depth} over the float32 target's greedy answers "
             f"({args.max_new_tokens} tokens a turn), by replaying the runtime's rounds." + benched
         ),
-        figures={
-            "start": ", ".join(f"{n} tau {v['tau']}" for n, v in start.items()),
-            **{
-                r["arm"]: f"{r['steps']} steps; "
-                + ", ".join(f"{n} tau {r[n]['tau']}" for n in names)
-                + "".join(bench_cells(r, n) for n in names)
-                for r in rows
-            },
-        },
+        figures=table,
     )
-    bench_names = names if args.bench else []
-    print(
-        "\n| arm | steps | held-out tau_replay | "
-        + " | ".join([*names, *(f"{n} bench tau / speedup / identical" for n in bench_names)])
-        + " |"
-    )
-    print("|---|---:|---:|" + "---:|" * (len(names) + len(bench_names)))
-    print("| start | 0 | - | " + " | ".join(str(start[n]["tau"]) for n in names) + " |")
-    for r in rows:
-        cells = [str(r[n]["tau"]) for n in names]
-        cells += [
-            f"{r['bench'][n]['tau']} / {r['bench'][n]['speedup']}x / {r['bench'][n]['all_match']}"
-            for n in bench_names
-        ]
-        print(f"| {r['arm']} | {r['steps']} | {r['held_out_tau_replay']} | {' | '.join(cells)} |")
+    print("\n| " + " | ".join(table["columns"]) + " |")
+    print("|---|" + "---:|" * (len(table["columns"]) - 1))
+    for row in table["rows"]:
+        print("| " + " | ".join(map(str, row)) + " |")
 
 
 if __name__ == "__main__":
