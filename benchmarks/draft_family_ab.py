@@ -43,6 +43,21 @@ def specforge(*arguments: str) -> None:
     subprocess.run(command, check=True)
 
 
+def bench(out: Path, *arguments: str) -> dict:
+    """``specforge bench ARGUMENTS --output OUT``, skipped when ``OUT/bench.json`` is there;
+    returns that bench.json."""
+    if not (out / "bench.json").is_file():
+        specforge("bench", *arguments, "--output", str(out))
+    return json.loads((out / "bench.json").read_text())
+
+
+def export_once(common: list[str], export: Path) -> None:
+    """``specforge export COMMON`` of a run's newest checkpoint to ``export``, skipped when an
+    export is there."""
+    if not (export / "config.json").is_file():
+        specforge("export", *common, f"export.output={export}")
+
+
 def run_arm(arm: list[str], args, first: bool) -> dict:
     """Train, export and bench one arm (``[name, family, overrides...]``); returns its row.
     Prompt lookup runs beside the first arm's bench only."""
@@ -61,30 +76,25 @@ def run_arm(arm: list[str], args, first: bool) -> dict:
             *arm_overrides,
         )
     export = out / "export"
-    if not (export / "config.json").is_file():
-        specforge("export", *common, f"export.output={export}")
+    export_once(common, export)
     steps = (
         json.loads((export / "config.json").read_text())["dflash_config"]["block_size"] - 1
         if family == "dflash"
         else args.eagle_steps
     )
-    bench = Path(args.output) / f"bench_{name}"
-    if not (bench / "bench.json").is_file():
-        specforge(
-            "bench",
-            *common,
-            f"bench.draft={export}",
-            f"bench.questions={args.questions}",
-            *([f"bench.limit={args.limit}"] if args.limit else []),
-            f"bench.max_new_tokens={args.max_new_tokens}",
-            f"bench.num_steps={steps}",
-            f"bench.prompt_lookup_num_tokens={lookup_tokens}",
-            f"bench.output={bench}",
-        )
+    report = bench(
+        Path(args.output) / f"bench_{name}",
+        *common,
+        f"bench.draft={export}",
+        f"bench.questions={args.questions}",
+        *([f"bench.limit={args.limit}"] if args.limit else []),
+        f"bench.max_new_tokens={args.max_new_tokens}",
+        f"bench.num_steps={steps}",
+        f"bench.prompt_lookup_num_tokens={lookup_tokens}",
+    )
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if m.get("split") == "eval"]
     trained = [m for m in metrics if m.get("split") == "train"]
-    report = json.loads((bench / "bench.json").read_text())
     return {
         "family": name,
         "draft_type": family,

@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 import yaml
-from draft_family_ab import specforge
+from draft_family_ab import bench, export_once, specforge
 
 from specforge.config import SpecForgeConfig, from_dict, load_config
 from specforge.data.batching import collate
 from specforge.distributed import setup_distributed
-from specforge.results import write_result
+from specforge.results import figures_markdown, write_result
 from specforge.trainer.checkpoint import latest_sound_checkpoint, load_draft, read_trainer_state
 from specforge.trainer.sources import OnlineTarget
 from specforge.trainer.ttt import TTTObjective
@@ -147,36 +147,22 @@ def replayed_taus(runs: dict[str, Path], recipe: Path, answers_file: Path, depth
 def bench_arms(runs: dict[str, Path], recipe: Path, sets: dict[str, str], args) -> dict:
     """Export each arm's newest draft and bench it on each set of questions, the arms in turn
     within a set; returns the figures by arm, then by set."""
-    exports = {}
+    common = {arm: ["--config", str(recipe), f"output_dir={run}"] for arm, run in runs.items()}
     for arm, run in runs.items():
-        exports[arm] = run / "export"
-        if not (exports[arm] / "config.json").is_file():
-            specforge(
-                "export",
-                "--config",
-                str(recipe),
-                f"output_dir={run}",
-                f"export.output={exports[arm]}",
-            )
+        export_once(common[arm], run / "export")
     figures: dict[str, dict] = {arm: {} for arm in runs}
     for name, questions in sets.items():
         for arm, run in runs.items():
-            out = Path(args.output) / f"bench_{arm}_{name}"
-            if not (out / "bench.json").is_file():
-                specforge(
-                    "bench",
-                    "--config",
-                    str(recipe),
-                    f"output_dir={run}",
-                    f"bench.draft={exports[arm]}",
-                    f"bench.questions={questions}",
-                    "bench.limit=null",
-                    f"bench.max_new_tokens={args.max_new_tokens}",
-                    f"bench.num_steps={args.bench_steps}",
-                    "bench.prompt_lookup_num_tokens=0",
-                    f"bench.output={out}",
-                )
-            report = json.loads((out / "bench.json").read_text())
+            report = bench(
+                Path(args.output) / f"bench_{arm}_{name}",
+                *common[arm],
+                f"bench.draft={run / 'export'}",
+                f"bench.questions={questions}",
+                "bench.limit=null",
+                f"bench.max_new_tokens={args.max_new_tokens}",
+                f"bench.num_steps={args.bench_steps}",
+                "bench.prompt_lookup_num_tokens=0",
+            )
             figures[arm][name] = {
                 "tau": round(report["tau"], 3),
                 "speedup": round(report["speedup"], 3),
@@ -268,7 +254,7 @@ def report(args, step: int, start: dict, rows: list[dict], names: list[str]) -> 
             for r in rows
         ],
     }
-    write_result(
+    record = write_result(
         Path(args.result or Path(args.output) / "ab.json"),
         {"settings": vars(args), "start_step": step, "start": start, "rows": rows},
         title="The on-policy phase at equal time (cpu)",
@@ -281,10 +267,7 @@ def report(args, step: int, start: dict, rows: list[dict], names: list[str]) -> 
         ),
         figures=table,
     )
-    print("\n| " + " | ".join(table["columns"]) + " |")
-    print("|---|" + "---:|" * (len(table["columns"]) - 1))
-    for row in table["rows"]:
-        print("| " + " | ".join(map(str, row)) + " |")
+    print(figures_markdown(record["figures"]))
 
 
 if __name__ == "__main__":

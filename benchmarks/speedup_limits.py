@@ -19,10 +19,9 @@ verification that cost one target token. Run it alone (2 CPU cores).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from draft_family_ab import specforge
+from draft_family_ab import bench
 
 from specforge.results import figures_markdown, write_result
 
@@ -32,16 +31,13 @@ RECIPE = "configs/smollm2-135m-eagle3.yaml"
 def run_bench(args) -> dict:
     """``specforge bench`` of the draft into ``--output`` (skipped when its bench.json is
     there); returns that bench.json."""
-    out = Path(args.output)
-    if not (out / "bench.json").is_file():
-        specforge(
-            *("bench", "--config", RECIPE, "--draft", args.draft),
-            *("--questions", args.questions, "--num-steps", str(args.num_steps)),
-            *("--max-new-tokens", str(args.max_new_tokens), "--prompt-lookup-num-tokens", "0"),
-            *(("--limit", str(args.limit)) if args.limit else ()),
-            *("--output", str(out)),
-        )
-    return json.loads((out / "bench.json").read_text())
+    return bench(
+        Path(args.output),
+        *("--config", RECIPE, "--draft", args.draft),
+        *("--questions", args.questions, "--num-steps", str(args.num_steps)),
+        *("--max-new-tokens", str(args.max_new_tokens), "--prompt-lookup-num-tokens", "0"),
+        *(("--limit", str(args.limit)) if args.limit else ()),
+    )
 
 
 def uniform_acceptance(tau: float, depth: int) -> float | None:

@@ -22,10 +22,9 @@ Run it alone (vLLM and the bench share the CPU).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from draft_family_ab import specforge
+from draft_family_ab import bench
 
 from specforge.results import figures_markdown, write_result
 
@@ -35,17 +34,15 @@ RECIPE = "configs/smollm2-135m-eagle3.yaml"
 def serve(name: str, export: str, steps: int, bench_json: str, mode: str, args) -> dict:
     """``specforge bench --engine vllm`` for one export in one ``mode``, gated against the
     built-in bench ``bench_json``; returns its bench.json."""
-    out = Path(args.output) / (name if mode == "eager" else f"{name}_{mode}")
-    if not (out / "bench.json").is_file():
-        specforge(
-            *("bench", "--config", RECIPE, "--engine", "vllm"),
-            *("--vllm-python", args.vllm_python, "--draft", export),
-            *("--questions", args.questions, "--limit", str(args.limit)),
-            *("--num-steps", str(steps), "--max-new-tokens", str(args.max_new_tokens)),
-            *("--agree-with", bench_json, "--output", str(out)),
-            *(['bench.vllm_args=["--no-enforce-eager"]'] if mode == "compiled" else []),
-        )
-    return json.loads((out / "bench.json").read_text())
+    return bench(
+        Path(args.output) / (name if mode == "eager" else f"{name}_{mode}"),
+        *("--config", RECIPE, "--engine", "vllm"),
+        *("--vllm-python", args.vllm_python, "--draft", export),
+        *("--questions", args.questions, "--limit", str(args.limit)),
+        *("--num-steps", str(steps), "--max-new-tokens", str(args.max_new_tokens)),
+        *("--agree-with", bench_json),
+        *(['bench.vllm_args=["--no-enforce-eager"]'] if mode == "compiled" else []),
+    )
 
 
 def main() -> None:
