@@ -102,19 +102,30 @@ def builder_marker(directory: Path):
 
 def clear_stale_lock(directory: Path) -> bool:
     """Remove PyTorch's build ``lock`` in ``directory`` when no process that loads or builds
-    there is alive (each records ``build-<pid>.pid`` first, :func:`builder_marker`); returns
-    whether a stale lock was removed."""
+    there is alive (each records ``build-<pid>.pid`` first, :func:`builder_marker`) and the lock
+    is still the one seen before the markers were read (a live holder may release its lock and
+    drop its marker in between, and the next one take a new lock); returns whether a stale lock
+    was removed."""
     lock = directory / "lock"
-    locked = lock.exists()  # before the markers: a holder writes its marker before the lock
+    seen = _identity(lock)  # before the markers: a holder writes its marker before the lock
     owners = list(directory.glob("build-*.pid"))
     alive = [p for p in owners if _process_alive(int(p.stem.removeprefix("build-")))]
     for dead in set(owners) - set(alive):
         dead.unlink(missing_ok=True)
-    if locked and not alive:
+    if seen is not None and not alive and _identity(lock) == seen:
         lock.unlink(missing_ok=True)
         log.warning("removed a stale build lock in %s (its build was stopped)", directory)
         return True
     return False
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """Which file ``path`` is now (device, inode, modification time), or ``None`` if none."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino, stat.st_mtime_ns
 
 
 def _load(directory: Path):
