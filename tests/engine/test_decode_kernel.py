@@ -5,6 +5,7 @@ only where asked; its build survives a kill and a time limit, and it checks ever
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,13 +148,17 @@ for _ in range(int(sys.argv[1])):
 
 
 @pytest.mark.integration
-def test_a_process_loading_the_built_kernel_keeps_its_lock(tmp_path):
+def test_a_process_loading_the_built_kernel_keeps_its_lock(tmp_path, monkeypatch):
     """PyTorch's ``load`` takes the build lock on every call, a build or not: a process that
     only loads the kernel holds it too, and another process's stale-lock check must leave it
-    (removing it made the loader fail on releasing it, and the kernel go unused)."""
+    (removing it made the loader fail on releasing it, and the kernel go unused). The build is
+    copied to a folder of the test's own, so that no other process (a test killed mid-load in
+    another worker) leaves a truly stale lock there while it runs."""
     build_decode_kernel(timeout_s=900)  # built once: the loader below only loads
+    shared = build_directory()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     directory = build_directory()
-    clear_stale_lock(directory)  # a lock a process stopped earlier left is not the loader's
+    shutil.copytree(shared, directory, ignore=shutil.ignore_patterns("lock", "build-*.pid"))
     loader = subprocess.Popen(
         [sys.executable, "-c", LOADER, "15"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
