@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from specforge.config import DEFAULT_RECIPE, SpecForgeConfig, field_docs, load_config
 from specforge.errors import UserError
+from specforge.families import REGISTRY
 from specforge.recipes.quickstart import QUICKSTART_OVERRIDES
 
 
@@ -260,15 +261,15 @@ STAGES = {
     ),
     "train": Stage(
         _run_train,
-        "train an EAGLE-3 draft with training-time test (online: the target runs in the step; "
-        "offline: data.mode=offline), or a DFlash block draft (--draft-type dflash, online); "
-        "under torchrun every rank runs this command",
+        "train a draft of the family --draft-type names (the registry's: "
+        f"{', '.join(REGISTRY)}) with its objective (online: the target runs in the step; "
+        "offline: data.mode=offline); under torchrun every rank runs this command",
         ("train", "draft", "output_dir"),
     ),
     "export": Stage(
         _run_export,
-        "write a checkpoint as the directory SGLang and vLLM load (LlamaForCausalLMEagle3, or "
-        "DFlashDraftModel for a DFlash draft), checked against the contract",
+        "write a checkpoint as the directory SGLang and vLLM load (the layout of its draft's "
+        "family), checked against the contract",
         (
             "export",
             "target.trust_remote_code",

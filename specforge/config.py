@@ -399,12 +399,11 @@ class CaptureConfig:
 class DraftConfig:
     """The draft's architecture (its geometry follows the target)."""
 
-    type: Literal["eagle3", "dflash"] = "eagle3"
-    """``eagle3``: an EAGLE-3 draft (one layer over three target layers, chains drafted step
-    by step, trained with training-time test). ``dflash``: a DFlash block draft
-    (:mod:`specforge.models.dflash`: ``dflash_layers`` non-causal layers reading
-    ``target_layers`` target layers as keys and values, a block of ``block_size`` predicted in
-    one forward), trained online on the target's greedy tokens."""
+    type: str = "eagle3"
+    """The draft family: a name of the family registry (:data:`specforge.families.REGISTRY`;
+    docs/families.md lists them with what each reads). ``eagle3``: EAGLE-3 and 3.1, one layer
+    over three target layers, chains drafted step by step, trained with training-time test.
+    Options that only another family reads are refused when a stage starts."""
     variant: Literal["eagle3", "eagle3.1"] = "eagle3"
     """``eagle3``: SGLang's ``LlamaForCausalLMEagle3``. ``eagle3.1``: the same layer with
     ``fc_norm`` (an RMSNorm on each aux state before ``fc``) and ``norm_output`` (the next
@@ -435,11 +434,6 @@ class DraftConfig:
     vocabulary per token). At equal time on the quickstart's corpus: docs/training.md."""
 
     def __post_init__(self) -> None:
-        if self.type == "dflash" and self.variant != "eagle3":
-            raise ConfigError(
-                f"draft.variant {self.variant} is an EAGLE-3 variant: draft.type dflash needs "
-                "draft.variant eagle3"
-            )
         for name in ("dflash_layers", "target_layers", "anchors"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"draft.{name} must be >= 1, got {getattr(self, name)}")
@@ -901,30 +895,11 @@ class SpecForgeConfig:
                 "quickstart.data_share grows the corpus with prompts the target writes "
                 "in-process; regenerate.backend server cannot write them (set data_share null)"
             )
-        if self.train.on_policy.steps and self.draft.type != "eagle3":
-            raise ConfigError(
-                f"train.on_policy.steps ({self.train.on_policy.steps}) replays an EAGLE-3 "
-                f"draft's chain rounds; draft.type {self.draft.type} has no on-policy phase "
-                "(set train.on_policy.steps 0)"
-            )
-        if self.draft.type == "dflash":
-            self._check_dflash_loss()
         if self.train.eval_data_path and self.data.mode == "offline":
             raise ConfigError(
                 f"train.eval_data_path ({self.train.eval_data_path}) needs the target in the "
                 "training step: data.mode offline's shards hold only the training "
                 "conversations' states"
-            )
-
-    def _check_dflash_loss(self) -> None:
-        """A DFlash draft's loss is ``draft.block_labels``: EAGLE-3's loss settings would be
-        silently ignored, so setting them is an error."""
-        train = self.train
-        if train.loss != "kl" or train.target_temperature != 1.0:
-            raise ConfigError(
-                f"train.loss ({train.loss}) and train.target_temperature "
-                f"({train.target_temperature}) shape EAGLE-3's loss; draft.type dflash learns "
-                "from draft.block_labels (hard or soft): leave them at kl and 1.0"
             )
 
     def _check_decode_kernel(self) -> None:

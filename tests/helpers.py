@@ -118,7 +118,13 @@ def tiny_draft(seed: int = 0, randomize_norms: bool = True, **switches):
     return target, draft
 
 
+TINY_STEP_BY_STEP = ("vocab.draft_vocab_size=64", "train.ttt_length=3")
+"""The tiny recipe's settings for the families with a vocabulary map and an unroll (all but
+the block family, which reads neither)."""
+
+
 def tiny_train_config(folder, data, output_dir, *extra):
+    block = "draft.type=dflash" in extra
     return load_config(
         None,
         [
@@ -129,10 +135,9 @@ def tiny_train_config(folder, data, output_dir, *extra):
             "train.dtype=float32",
             "train.lr=3e-3",
             "train.warmup_steps=3",
-            "vocab.draft_vocab_size=64",
             "train.eval_fraction=0.2",
             "train.log_every=1",
-            "train.ttt_length=3",
+            *(() if block else TINY_STEP_BY_STEP),
             *extra,
         ],
     )

@@ -12,9 +12,10 @@ import pytest
 PACKAGE = Path(__file__).parents[1] / "specforge"
 
 LAYERS = {
-    "specforge.docgen": 7,
-    "specforge.cli": 6,
-    "specforge.recipes": 5,
+    "specforge.docgen": 8,
+    "specforge.cli": 7,
+    "specforge.recipes": 6,
+    "specforge.families": 5,
     "specforge.trainer": 4,
     "specforge.serving": 4,
     "specforge.distill": 4,
@@ -30,9 +31,11 @@ LAYERS = {
     "specforge.configs": 0,
     "specforge": 0,
 }
-"""``scripts -> cli -> recipes -> {trainer, serving, distill} -> engine -> models -> data ->
-{config, io, errors, distributed}``: a module imports only from lower layers, or from its own
-package (without cycles); ``trainer``, ``serving`` and ``distill`` never import each other. The
+"""``scripts -> cli -> recipes -> families -> {trainer, serving, distill} -> engine -> models ->
+data -> {config, io, errors, distributed}``: a module imports only from lower layers, or from its
+own package (without cycles); ``trainer``, ``serving`` and ``distill`` never import each other.
+A draft family (``families/<name>/``) binds a model, an objective, a proposer and an exporter
+over the layers below; the recipes reach it through the registry. The
 CPU kernels (``engine.cpu``) sit beside ``data``: torch and the lowest layer only, so the
 models' loader may prepack with them."""
 
@@ -165,19 +168,54 @@ def test_no_function_is_longer_than_the_limit():
 
 
 RUNTIME_MAX_LINES = 400
-"""The runtime's loop (propose -> verify -> accept) stays small: a draft family is a proposer
-in its own file under ``serving/proposers``, the cost policy lives in ``serving/policy``."""
+"""The runtime's loop (propose -> verify -> accept) stays small: a draft family's proposer lives
+in its family's folder, the cost policy in ``serving/policy``."""
 
 
-def test_the_runtime_stays_small_and_each_proposer_has_its_own_file():
+def test_the_runtime_stays_small_and_holds_no_proposer():
     runtime = PACKAGE / "serving" / "speculative.py"
     assert len(runtime.read_text().splitlines()) < RUNTIME_MAX_LINES
-    proposers = {path.stem for path in (PACKAGE / "serving" / "proposers").glob("*.py")}
-    assert {"eagle", "dflash", "lookup"} <= proposers
     classes = [
         n.name for n in ast.walk(ast.parse(runtime.read_text())) if isinstance(n, ast.ClassDef)
     ]
     assert classes == ["SpeculativeDecoder"]  # no proposer or policy inside the runtime
+
+
+FAMILY_HOMES = {"dflash": ("dflash",), "peagle": ("peagle", "p-eagle", "PEagle")}
+"""A family's folder name and the spellings of its name that only its folder (and the
+registry) may use."""
+
+
+def family_mentions(family: str, spellings: tuple[str, ...]) -> list[str]:
+    """The package's modules outside ``families/<family>/`` that name the family, except the
+    registry and the generated-docs module (recipes, ``configs/*.yaml``, are documentation that
+    runs: a family's recipe names it)."""
+    home = PACKAGE / "families" / family
+    allowed = {PACKAGE / "families" / "__init__.py", PACKAGE / "docgen.py"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if home in path.parents or path in allowed:
+            continue
+        text = path.read_text().lower()
+        if any(spelling.lower() in text for spelling in spellings):
+            found.append(str(path.relative_to(PACKAGE)))
+    return found
+
+
+@pytest.mark.parametrize("family", ["peagle"])
+def test_a_family_is_named_only_in_its_folder_and_the_registry(family):
+    """Adding a family touches its folder and one registry line: no other module names it."""
+    assert family_mentions(family, FAMILY_HOMES[family]) == []
+
+
+def test_every_registered_family_answers_the_registry():
+    """Each registry line names a folder whose record is that family, complete."""
+    from specforge.families import REGISTRY, family
+
+    for name in REGISTRY:
+        found = family(name)
+        assert found.name == name and callable(found.proposer) and callable(found.build)
+        assert (PACKAGE / "families" / name / "__init__.py").is_file()
 
 
 def _dotted(path: Path) -> str:

@@ -197,3 +197,31 @@ def load_vocab_map(path: str | Path) -> VocabMap:
     vocab_map = VocabMap(d2t=tensors["d2t"], t2d=tensors["t2d"])
     vocab_map.check()
     return vocab_map
+
+
+def mask_token_for(requested: int | None, tokenizer, samples, target_config) -> int:
+    """``draft.mask_token_id``, else the tokenizer's mask token, else the largest id that no
+    training sample holds (a target without a mask token: its embedding row is then one the
+    draft never reads as text while it learns).
+
+    Raises:
+        UserError: a requested id outside the target's vocabulary.
+    """
+    vocab_size = target_config.vocab_size
+    if requested is not None:
+        if requested >= vocab_size:
+            raise UserError(
+                f"draft.mask_token_id {requested} is outside the target's vocabulary "
+                f"(0..{vocab_size - 1})"
+            )
+        return requested
+    own = getattr(tokenizer, "mask_token_id", None)
+    if own is not None and 0 <= own < vocab_size:
+        return int(own)
+    seen = torch.zeros(vocab_size, dtype=torch.bool)
+    for sample in samples:
+        seen[sample.input_ids.clamp(0, vocab_size - 1)] = True
+    unseen = (~seen).nonzero()
+    mask = int(unseen[-1]) if len(unseen) else vocab_size - 1
+    logger.info("draft.mask_token_id: %d (a token the training data never holds)", mask)
+    return mask

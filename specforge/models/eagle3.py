@@ -333,6 +333,7 @@ class Eagle3DraftModel(nn.Module):
 
     frozen_weights = FROZEN_WEIGHTS
     """The target's tensors the draft holds: never saved, filled from the target on load."""
+    config_class = Eagle3Config
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
@@ -374,6 +375,14 @@ class Eagle3DraftModel(nn.Module):
     def logits(self, state: torch.Tensor) -> torch.Tensor:
         """(B, T, H) a state from :meth:`feedback` -> (B, T, draft_vocab_size) logits."""
         return self.lm_head(state if self.config.norm_output else self.norm(state))
+
+    def unrolled_inputs(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What an unrolled step ``k > 0`` reads (training-time test, and a chain's next draft
+        step): the shifted tokens (B, T) and the previous step's state (B, T, H), as they are.
+        A family that drafts differently past its first token overrides this."""
+        return input_ids, hidden
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft vocabulary ids to target ids (``d + d2t[d]``)."""
@@ -461,6 +470,7 @@ def build_draft_model(
     t2d: torch.Tensor,
     target_norm: torch.Tensor | None = None,
     seed: int = 0,
+    model_class: type[Eagle3DraftModel] | None = None,
 ) -> Eagle3DraftModel:
     """A fresh draft initialized from the target: the frozen embedding copied, ``lm_head`` rows
     copied from the target's rows of the draft vocabulary (and ``norm`` from the target's final
@@ -474,6 +484,8 @@ def build_draft_model(
         target_norm: (Ht,) the target's final norm weight, or ``None`` to keep ones.
         d2t: (Vd,) int64 offsets; t2d: (V,) bool (see :mod:`specforge.data.vocab`).
         seed: initialization seed for the other weights.
+        model_class: the draft class (a family that extends EAGLE-3: its own); default
+            :class:`Eagle3DraftModel`.
 
     Raises:
         ValueError: shapes that do not match the config.
@@ -493,7 +505,7 @@ def build_draft_model(
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = Eagle3DraftModel(config)
+        model = (model_class or Eagle3DraftModel)(config)
     finally:
         torch.random.set_rng_state(generator_state)
     with torch.no_grad():

@@ -66,8 +66,8 @@ def check_aux_layer_ids(
     aux_layer_ids: list[int], num_layers: int, *, count: int | None = 3
 ) -> list[int]:
     """Validate user-given aux layer ids against the target's depth and return them as a list:
-    ``count`` of them (EAGLE-3 fuses 3), or any non-empty list (``None``: a DFlash draft reads
-    as many as it was trained on)."""
+    ``count`` of them (EAGLE-3 fuses 3), or any non-empty list (``None``: a draft family that reads
+    another number of layers, as many as it was trained on)."""
     ids = list(aux_layer_ids)
     if count is not None and len(ids) != count:
         raise UserError(f"EAGLE-3 fuses exactly {count} aux layers, got {ids}")
@@ -115,8 +115,8 @@ def target_hidden_states(
         input_ids: (B, T) token ids.
         attention_mask: (B, T) 1 for real tokens, 0 for padding, or ``None`` (tree
             verification masks through :func:`specforge.serving.tree.tree_attention`).
-        aux_layer_ids: decoder layer ids (EAGLE-3's three, :func:`default_aux_layer_ids`, or a
-            DFlash draft's ``target_layer_ids``).
+        aux_layer_ids: decoder layer ids (EAGLE-3's three, :func:`default_aux_layer_ids`, or
+            the layers another family's draft reads).
         past_key_values: an HF cache to extend (serving), or ``None`` (training: no cache).
         position_ids: (B, T) explicit positions (tree verification), else consecutive.
 

@@ -10,29 +10,24 @@ turns done, tokens/s and the running accept length.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from specforge.config import BenchConfig, SpecForgeConfig, to_dict, torch_dtype
+from specforge.config import BenchConfig, SpecForgeConfig, to_dict
 from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.questions import ask_turns, load_questions, resolve_question_set
-from specforge.engine.cpu.int8_linear import quantize_linears
-from specforge.engine.cpu.packed_linear import prepack_linears
 from specforge.engine.target import EnginePath, build_engine
 from specforge.errors import UserError
-from specforge.io import read_json
-from specforge.models.adapter import text_config
+from specforge.families import drafting_depth, family_of_export
 from specforge.models.target import load_target, load_tokenizer
 from specforge.recipes.stage import start_stage
 from specforge.serving.adaptive import ConfidenceCalibration
 from specforge.serving.bench import BenchTally, MethodComparison, bench_report, write_report
-from specforge.serving.export import exported_aux_layer_ids, load_exported_draft
-from specforge.serving.export_dflash import is_dflash_export, load_exported_dflash
 from specforge.serving.speculative import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
@@ -58,52 +53,32 @@ def engine_tokens(bc: BenchConfig, turns: int) -> int:
 
 def bench_settings(cfg: SpecForgeConfig, questions: str) -> dict[str, Any]:
     """The settings a report records (``bench.json``'s ``settings``)."""
+    draft_family = family_of_export(cfg.bench_draft)
     return {
         **to_dict(cfg.bench),
         "engine_compile": cfg.engine.compile,
         "target": cfg.target.name_or_path,
         "device": cfg.target.device,
         "draft": str(cfg.bench_draft),
-        "draft_family": "dflash" if is_dflash_export(cfg.bench_draft) else "eagle3",
+        "draft_family": draft_family.name,
+        "sglang_algorithm": draft_family.engines.sglang,
         "questions": questions,
         "output": str(cfg.bench_dir),
     }
 
 
 def load_bench_draft(cfg: SpecForgeConfig, target, dtype: str, quantize: str):
-    """The exported draft ``cfg.bench_draft`` in ``dtype`` on the target's device, sharing
-    ``target``'s input embedding; an EAGLE-3 draft's linear layers int8 for ``quantize``
-    ``int8`` (``bench.draft_quantize``, resolved), else prepacked where the target's are; a
-    DFlash draft shares the target's ``lm_head`` too."""
-    if is_dflash_export(cfg.bench_draft):
-        return load_exported_dflash(
-            cfg.bench_draft,
-            target_config=target.config,
-            target_embedding=target.get_input_embeddings().weight.detach().float(),
-            target_lm_head=target.get_output_embeddings().weight.detach().float(),
-            dtype=torch_dtype(dtype),
-        ).to(cfg.target.device)
-    draft = load_exported_draft(
+    """The exported draft ``cfg.bench_draft`` in ``dtype`` on the target's device, sharing the
+    target's tensors as its family says; its linear layers int8 for ``quantize`` ``int8``
+    (``bench.draft_quantize``, resolved), else prepacked where the target's are (families
+    whose steps run one row at a time)."""
+    return family_of_export(cfg.bench_draft).load_export(
         cfg.bench_draft,
-        target_config=target.config,
-        target_embedding=target.get_input_embeddings().weight.detach().float(),
-        dtype=torch_dtype(dtype),
-    ).to(cfg.target.device)
-    if quantize == "int8":
-        quantize_linears(draft)
-    elif cfg.target.prepack_linear:
-        prepack_linears(draft)  # its steps are one-row calls, like the target's decoding
-    return draft
-
-
-def bench_aux_layer_ids(export_dir, target) -> list[int]:
-    """The target layers the exported draft reads: a DFlash draft's ``target_layer_ids``, an
-    EAGLE-3 draft's aux layers."""
-    if is_dflash_export(export_dir):
-        return list(
-            read_json(Path(export_dir) / "config.json")["dflash_config"]["target_layer_ids"]
-        )
-    return exported_aux_layer_ids(export_dir, text_config(target.config).num_hidden_layers)
+        target=target,
+        dtype=dtype,
+        quantize=quantize,
+        prepack=cfg.target.prepack_linear,
+    )
 
 
 def build_comparison(cfg: SpecForgeConfig, turns: int) -> tuple[MethodComparison, Any, EnginePath]:
@@ -112,7 +87,8 @@ def build_comparison(cfg: SpecForgeConfig, turns: int) -> tuple[MethodComparison
     comparison, the tokenizer and the path the target's forwards take."""
     bc = cfg.bench
     target, tokenizer = load_target(cfg.target, dtype=bc.dtype)
-    aux_layer_ids = bench_aux_layer_ids(cfg.bench_draft, target)
+    draft_family = family_of_export(cfg.bench_draft)
+    aux_layer_ids = draft_family.aux_layer_ids(cfg.bench_draft, target.config)
     engine, path = build_engine(
         target,
         aux_layer_ids=aux_layer_ids,
@@ -122,6 +98,7 @@ def build_comparison(cfg: SpecForgeConfig, turns: int) -> tuple[MethodComparison
     decoder = SpeculativeDecoder(
         target,
         load_bench_draft(cfg, target, bc.draft_dtype, bc.draft_quantize),
+        proposer=draft_family.proposer,
         aux_layer_ids=aux_layer_ids,
         num_steps=bc.num_steps,
         topk=bc.topk,
@@ -161,6 +138,9 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
         return bench_vllm(cfg, questions_source)
     if not (cfg.bench_draft / "config.json").is_file():
         raise UserError(f"{cfg.bench_draft} is not an export directory: run specforge export")
+    steps = drafting_depth(cfg.bench_draft, bc.num_steps, bc.topk)
+    cfg = dataclasses.replace(cfg, bench=dataclasses.replace(bc, num_steps=steps))
+    bc = cfg.bench
     questions = load_questions(questions_source, limit=bc.limit)
     logger.info("benchmarking on %s (%d questions)", questions_source, len(questions))
     turns = sum(len(q.turns) for q in questions)

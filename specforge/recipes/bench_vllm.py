@@ -11,6 +11,7 @@ from typing import Any
 from specforge.config import SpecForgeConfig
 from specforge.data.questions import load_questions
 from specforge.errors import UserError
+from specforge.families import export_checks, family_of_export
 from specforge.io import read_json, write_json_atomic, write_text_atomic
 from specforge.models.adapter import text_config
 from specforge.models.target import (
@@ -19,8 +20,7 @@ from specforge.models.target import (
     resolve_target_path,
     target_dtype,
 )
-from specforge.serving.agreement import agreement, export_checks
-from specforge.serving.export_dflash import is_dflash_export
+from specforge.serving.agreement import agreement
 from specforge.serving.vllm_client import (
     DEFAULT_FLAGS,
     ask_all,
@@ -37,10 +37,16 @@ logger = logging.getLogger(__name__)
 
 
 def speculative_config(draft: Path, num_steps: int) -> dict[str, Any]:
-    """vLLM's ``--speculative-config`` for an export: ``eagle3``, or ``dflash`` for a DFlash
-    export, ``num_steps`` tokens a round."""
-    method = "dflash" if is_dflash_export(draft) else "eagle3"
-    return {"method": method, "model": str(draft), "num_speculative_tokens": num_steps}
+    """vLLM's ``--speculative-config`` for an export: its family's method and settings
+    (:attr:`~specforge.families.family.EngineMethods.vllm`), ``num_steps`` tokens a round.
+
+    Raises:
+        UserError: a family vLLM does not serve.
+    """
+    found = family_of_export(draft)
+    if found.engines.vllm is None:
+        raise UserError(f"vLLM does not serve a {found.name} draft ({draft})")
+    return {**found.engines.vllm, "model": str(draft), "num_speculative_tokens": num_steps}
 
 
 def bench_vllm(cfg: SpecForgeConfig, questions_source: str) -> dict[str, Any]:

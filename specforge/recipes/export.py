@@ -14,26 +14,25 @@ from pathlib import Path
 
 from specforge.config import SpecForgeConfig, TargetConfig, from_dict
 from specforge.errors import UserError
+from specforge.families import (
+    export_checks,
+    family_of_checkpoint,
+    family_of_export,
+    load_checkpoint_draft,
+)
 from specforge.io import iter_jsonl, read_json, write_json_atomic
 from specforge.models.adapter import text_config
 from specforge.models.target import load_target_config, load_tokenizer
 from specforge.recipes.stage import start_stage
 from specforge.serving.advice import sglang_advice
-from specforge.serving.agreement import export_checks
-from specforge.serving.export import MARKER, write_export
-from specforge.serving.export_dflash import draft_config_of, is_dflash_export, write_dflash_export
-from specforge.trainer.checkpoint import (
-    checkpoint_problem,
-    latest_checkpoint,
-    load_draft,
-    read_trainer_state,
-)
+from specforge.serving.export import MARKER
+from specforge.trainer.checkpoint import checkpoint_problem, latest_checkpoint, read_trainer_state
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHECK_STEPS = 5
-"""The chain depth the engine check serves an EAGLE-3 export at under ``bench.num_steps: auto``
-(vLLM serves a fixed depth)."""
+"""The chain depth the engine check serves an export at under ``bench.num_steps: auto`` (vLLM
+serves a fixed depth) when its family has no depth of its own (``default_depth``)."""
 
 
 def checkpoint_to_export(cfg: SpecForgeConfig) -> Path:
@@ -98,27 +97,17 @@ def export(cfg: SpecForgeConfig) -> Path:
     if (problem := checkpoint_problem(checkpoint)) is not None:
         raise UserError(f"cannot export {checkpoint}: {problem}")
     target = trained_target(state, cfg)
-    model = load_draft(checkpoint)
-    if state.get("draft_type") == "dflash":
-        out = write_dflash_export(
-            cfg.export_dir,
-            model=model,
-            target_config=load_target_config(target),
-            dtype=cfg.export.dtype,
-            tokenizer=load_tokenizer(target),
-        )
-        logger.info("exported %s -> %s (DFlash)", checkpoint, out)
-    else:
-        out = write_export(
-            cfg.export_dir,
-            model=model,
-            target_config=load_target_config(target),
-            aux_layer_ids=state["aux_layer_ids"],
-            dtype=cfg.export.dtype,
-            tokenizer=load_tokenizer(target),
-            advice=training_advice(checkpoint),
-        )
-        logger.info("exported %s -> %s", checkpoint, out)
+    draft_family = family_of_checkpoint(state)
+    out = draft_family.write_export(
+        cfg.export_dir,
+        model=load_checkpoint_draft(checkpoint),
+        target_config=load_target_config(target),
+        aux_layer_ids=state["aux_layer_ids"],
+        dtype=cfg.export.dtype,
+        tokenizer=load_tokenizer(target),
+        advice=training_advice(checkpoint),
+    )
+    logger.info("exported %s -> %s (%s)", checkpoint, out, draft_family.name)
     if cfg.export.verify_engine == "vllm":
         check_with_vllm(dataclasses.replace(cfg, target=target), out)
     return out
@@ -167,10 +156,11 @@ def _served_against_builtin(cfg: SpecForgeConfig, export_dir: Path) -> dict:
     ``export.verify_questions`` questions; what the engine check records of them."""
     from specforge.recipes.bench import bench
 
-    steps = cfg.bench.num_steps if isinstance(cfg.bench.num_steps, int) else DEFAULT_CHECK_STEPS
-    if not isinstance(cfg.bench.num_steps, int) and is_dflash_export(export_dir):
-        config = draft_config_of(read_json(export_dir / "config.json"), str(export_dir))
-        steps = config.block_size - 1
+    steps = cfg.bench.num_steps
+    if not isinstance(steps, int):  # vLLM serves a fixed depth: the family's, else ours
+        draft_family = family_of_export(export_dir)
+        depth = draft_family.capabilities.default_depth(draft_family.draft_config(export_dir))
+        steps = depth or DEFAULT_CHECK_STEPS
     folder = Path(cfg.output_dir) / "engine_check"
     settings = dataclasses.replace(
         cfg.bench,

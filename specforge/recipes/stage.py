@@ -6,7 +6,10 @@
    length, so on a CPU that cache grew a run's memory by about 1 GB per 100 steps, while 16
    entries cost no speed. oneDNN reads the value when it first builds a primitive, so it is set
    here, when the stage starts, not when the package is imported.
-2. resolve the config's hardware-dependent ``auto`` values for the machine that runs it
+2. refuse options that ``draft.type``'s family does not read (another family's, or an
+   offline capture for a family that trains online: :func:`specforge.families.check_options`),
+   before any model loads;
+3. resolve the config's hardware-dependent ``auto`` values for the machine that runs it
    (:func:`specforge.config.resolve_auto`), so the stage's outputs record what actually ran.
 """
 
@@ -16,6 +19,7 @@ import logging
 import os
 
 from specforge.config import SpecForgeConfig, resolve_auto
+from specforge.families import check_options
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +37,11 @@ AUTO_FIELDS = (
 
 
 def start_stage(cfg: SpecForgeConfig) -> SpecForgeConfig:
-    """The config a stage runs with: ``cfg`` with its ``auto`` values resolved (logged when one
-    changes), after the oneDNN cache cap is in place (see the module docstring)."""
+    """The config a stage runs with: ``cfg`` checked and with its ``auto`` values resolved
+    (logged when one changes), after the oneDNN cache cap is in place (see the module
+    docstring)."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_PRIMITIVE_CACHE_CAPACITY)
+    check_options(cfg)
     resolved = resolve_auto(cfg)
     for section, name in AUTO_FIELDS:
         before = getattr(getattr(cfg, section), name)

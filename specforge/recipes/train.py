@@ -34,25 +34,13 @@ from tqdm import tqdm
 
 from specforge.config import SpecForgeConfig, to_dict
 from specforge.data.batching import StepBatches, split_train_eval
-from specforge.data.chat import TokenizedSample, end_of_turn_ids
-from specforge.data.vocab import save_vocab_map, vocab_map_from_samples
+from specforge.data.chat import TokenizedSample
+from specforge.data.vocab import save_vocab_map
 from specforge.distributed import Distributed, setup_distributed
 from specforge.errors import UserError
-from specforge.models.adapter import config_value
-from specforge.models.compiling import inductor_options
-from specforge.models.dflash import (
-    DFlashConfig,
-    DFlashDraftModel,
-    build_dflash_model,
-    default_target_layer_ids,
-)
-from specforge.models.eagle3 import (
-    FROZEN_WEIGHTS,
-    Eagle3Config,
-    Eagle3DraftModel,
-    build_draft_model,
-    init_from_target_layer,
-)
+from specforge.families import family
+from specforge.families.family import DraftFamily
+from specforge.models.eagle3 import FROZEN_WEIGHTS
 from specforge.recipes.stage import start_stage
 from specforge.trainer.checkpoint import (
     checkpoint_steps,
@@ -61,15 +49,14 @@ from specforge.trainer.checkpoint import (
     read_trainer_state,
     save_checkpoint,
 )
-from specforge.trainer.dflash import BlockVocabulary, DFlashObjective, block_metrics
-from specforge.trainer.metrics import MetricsLog, ttt_metrics
+from specforge.trainer.metrics import MetricsLog
 from specforge.trainer.optim import apply_lr, build_optimizer, set_lr
 from specforge.trainer.sources import (
     HiddenStateSource,
     hidden_state_source,
     load_training_samples,
 )
-from specforge.trainer.ttt import TTTObjective, TTTResult
+from specforge.trainer.ttt import TTTResult
 
 logger = logging.getLogger(__name__)
 
@@ -117,14 +104,17 @@ class TrainingRun:
     ranks: Distributed
     device: str
     source: HiddenStateSource
-    draft: Eagle3DraftModel | DFlashDraftModel
-    draft_config: Eagle3Config | DFlashConfig
+    family: DraftFamily
+    """``draft.type``'s family: what builds the draft, its objective and its metrics."""
+    draft: nn.Module
+    draft_config: object
+    """The draft's geometry (its ``to_dict`` goes into every checkpoint)."""
     objective: nn.Module
-    """:class:`TTTObjective` (or :class:`DFlashObjective`), wrapped in DDP when there are
+    """The family's objective (the draft and its loss), wrapped in DDP when there are
     several ranks."""
     vocabulary: object
-    """What the source reads of the draft's vocabulary (``hot_ids``, ``t2d``): the EAGLE-3
-    draft itself, or :class:`BlockVocabulary` for a DFlash draft."""
+    """What the source reads of the draft's vocabulary (``hot_ids``, ``t2d``), as the family
+    says."""
     optimizer: torch.optim.Optimizer
     batches: StepBatches
     eval_samples: list[TokenizedSample]
@@ -144,14 +134,12 @@ class TrainingRun:
     """Steps skipped for a non-finite loss or gradient norm."""
 
     @property
-    def unwrapped(self) -> TTTObjective | DFlashObjective:
+    def unwrapped(self) -> nn.Module:
         return getattr(self.objective, "module", self.objective)
 
     def metrics(self, results: list) -> dict[str, float]:
         """Loss, per-position accuracy and ``tau_pred`` over several steps' results."""
-        if isinstance(self.unwrapped, DFlashObjective):
-            return block_metrics(results)
-        return ttt_metrics(results)
+        return self.family.metrics(results)
 
     def autocast(self):
         assert self.cfg.train.dtype != "auto", "train() resolves train.dtype when it starts"
@@ -183,23 +171,16 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     """Distributed setup, the hidden-state source and data, the vocab map, the draft, its
     optimizer, and the resume state."""
     tc = cfg.train
-    if cfg.draft.type == "dflash" and cfg.data.mode == "offline":
-        raise UserError(
-            "draft.type dflash trains online (data.mode online): a capture holds EAGLE-3's "
-            "three aux layers, not the DFlash draft's target layers"
-        )
+    draft_family = family(cfg.draft.type)
     ranks = setup_distributed(cfg.target.device)
     device = ranks.device(cfg.target.device)
     torch.manual_seed(tc.seed)
     # 1. hidden states and data
     source = hidden_state_source(cfg, ranks, device)
     train_samples, eval_samples, eval_data = split_samples(cfg, source)
-    # 2. the draft (and an EAGLE-3 draft's vocabulary), initialised from the target
-    draft, draft_config, vocab_map = build_draft(cfg, source, train_samples, device)
-    vocabulary = draft
-    if vocab_map is None:
-        labels = cfg.draft.block_labels
-        vocabulary = BlockVocabulary.of(draft_config.vocab_size, device, labels)
+    # 2. the draft (and its vocabulary map, where the family has one), from the target
+    draft, draft_config, vocab_map = draft_family.build(cfg, source, train_samples, device)
+    vocabulary = draft_family.vocabulary(cfg, draft, draft_config, device)
     # 3. optimizer, resume, and the objective DDP wraps
     optimizer = build_optimizer(
         [p for p in draft.parameters() if p.requires_grad], tc, ranks.world_size
@@ -211,22 +192,7 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
         "frozen": frozen_parameters(draft),
     }
     resumed = resume(cfg, draft, optimizer, run_identity)
-    objective: nn.Module = TTTObjective(
-        draft,
-        tc.ttt_length,
-        tc.step_weight,
-        tc.loss,
-        tc.target_temperature,
-        replay_depth=tc.on_policy.depth,
-        replay=tc.on_policy.replay,
-    )
-    if cfg.draft.type == "dflash":
-        objective = DFlashObjective(
-            draft,
-            anchors=cfg.draft.anchors,
-            block_decay=cfg.draft.block_decay,
-            labels=cfg.draft.block_labels,
-        )
+    objective: nn.Module = draft_family.objective(cfg, draft)
     if ranks.world_size > 1:
         objective = nn.parallel.DistributedDataParallel(objective)
     if ranks.is_main:
@@ -243,6 +209,7 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
         ranks=ranks,
         device=device,
         source=source,
+        family=draft_family,
         draft=draft,
         draft_config=draft_config,
         objective=objective,
@@ -260,119 +227,9 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     )
 
 
-def new_draft(cfg: SpecForgeConfig, config: Eagle3Config, head, vocab_map) -> Eagle3DraftModel:
-    """The draft before training: the target's embedding, ``lm_head`` rows and final norm,
-    and its last layer where ``train.init_from_target`` asks."""
-    draft = build_draft_model(
-        config,
-        target_embedding=head.embed_tokens.float().cpu(),
-        target_lm_head=head.lm_head.float().cpu() * head.transform.scale,
-        d2t=vocab_map.d2t,
-        t2d=vocab_map.t2d,
-        target_norm=head.norm.float().cpu(),
-        seed=cfg.train.seed,
-    )
-    if cfg.train.init_from_target:
-        copied = init_from_target_layer(
-            draft,
-            {name: w.float().cpu() for name, w in head.last_layer.items()},
-            target_act=config_value(head.config, "hidden_act", "hidden_activation", "activation"),
-        )
-        logger.info("initialised from the target's last layer: %s", ", ".join(copied))
-    draft.lm_head.weight.requires_grad_(not cfg.train.freeze_lm_head)
-    return draft
-
-
-def build_draft(cfg: SpecForgeConfig, source, samples, device):
-    """The draft ``draft.type`` names, initialised from the target, on ``device``: an EAGLE-3
-    draft over the vocabulary map of ``samples`` (returned too), or a DFlash draft (the
-    source then captures its target layers; no map)."""
-    if cfg.draft.type == "dflash":
-        config = dflash_draft_config(cfg, source, samples)
-        source.aux_layer_ids = list(config.target_layer_ids)  # the layers it reads
-        return new_dflash_draft(cfg, config, source.head).to(device), config, None
-    vocab_map, _ = vocab_map_from_samples(
-        samples,
-        vocab_size=source.head.config.vocab_size,
-        draft_vocab_size=cfg.vocab.draft_vocab_size,
-        end_of_turn=end_of_turn_ids(source.tokenizer, source.generation_config),
-    )
-    config = Eagle3Config.from_target(
-        source.head.config, draft_vocab_size=vocab_map.draft_vocab_size, **cfg.draft.switches
-    )
-    draft = new_draft(cfg, config, source.head, vocab_map).to(device)
-    if cfg.train.compile == "true":
-        compile_ttt_step(draft)
-    return draft, config, vocab_map
-
-
-def dflash_draft_config(cfg: SpecForgeConfig, source, samples) -> DFlashConfig:
-    """The DFlash draft's geometry from the target and ``draft.*`` (its mask token chosen,
-    :func:`mask_token_for`)."""
-    head = source.head
-    layers = head.config.num_hidden_layers
-    mask = mask_token_for(cfg.draft.mask_token_id, source.tokenizer, samples, head.config)
-    count = min(cfg.draft.target_layers, max(layers - 3, 1))
-    return DFlashConfig.from_target(
-        head.config,
-        mask_token_id=mask,
-        num_hidden_layers=cfg.draft.dflash_layers,
-        block_size=cfg.draft.block_size,
-        target_layer_ids=default_target_layer_ids(layers, count=count),
-    )
-
-
-def mask_token_for(requested: int | None, tokenizer, samples, target_config) -> int:
-    """``draft.mask_token_id``, else the tokenizer's mask token, else the largest id that no
-    training sample holds (a target without a mask token: its embedding row is then one the
-    draft never reads as text while it learns).
-
-    Raises:
-        UserError: a requested id outside the target's vocabulary.
-    """
-    vocab_size = target_config.vocab_size
-    if requested is not None:
-        if requested >= vocab_size:
-            raise UserError(
-                f"draft.mask_token_id {requested} is outside the target's vocabulary "
-                f"(0..{vocab_size - 1})"
-            )
-        return requested
-    own = getattr(tokenizer, "mask_token_id", None)
-    if own is not None and 0 <= own < vocab_size:
-        return int(own)
-    seen = torch.zeros(vocab_size, dtype=torch.bool)
-    for sample in samples:
-        seen[sample.input_ids.clamp(0, vocab_size - 1)] = True
-    unseen = (~seen).nonzero()
-    mask = int(unseen[-1]) if len(unseen) else vocab_size - 1
-    logger.info("draft.mask_token_id: %d (a token the training data never holds)", mask)
-    return mask
-
-
-def new_dflash_draft(cfg: SpecForgeConfig, config: DFlashConfig, head) -> DFlashDraftModel:
-    """A DFlash draft before training: the target's embedding and ``lm_head`` (frozen), its
-    norm from the target's final norm, the rest seeded."""
-    return build_dflash_model(
-        config,
-        target_embedding=head.embed_tokens.float().cpu(),
-        target_lm_head=head.lm_head.float().cpu(),
-        target_norm=head.norm.float().cpu(),
-        seed=cfg.train.seed,
-    )
-
-
-def frozen_parameters(draft: Eagle3DraftModel) -> list[str]:
+def frozen_parameters(draft: nn.Module) -> list[str]:
     """The names of ``draft``'s weights that training leaves as they are."""
     return sorted(name for name, p in draft.named_parameters() if not p.requires_grad)
-
-
-def compile_ttt_step(draft: Eagle3DraftModel) -> None:
-    """Run ``draft``'s TTT step through ``torch.compile`` (``train.compile``): one graph per
-    unrolled step (each reads one more step's keys), lengths and rows dynamic; the weights,
-    their gradients and the checkpoints are the module's own."""
-    device = next(draft.parameters()).device
-    draft.ttt_step = torch.compile(draft.ttt_step, dynamic=True, options=inductor_options(device))
 
 
 def samples_sha256(samples: list[TokenizedSample]) -> str:
@@ -482,7 +339,7 @@ def save(run: TrainingRun, step: int, clocks: dict[str, float | int]) -> Path | 
             draft_config=run.draft_config.to_dict(),
             state={
                 "aux_layer_ids": run.source.aux_layer_ids,
-                "draft_type": run.cfg.draft.type,
+                "draft_type": run.family.name,
                 "config": to_dict(run.cfg),
                 "run": run.identity,
                 **{k: round(v, 3) if isinstance(v, float) else v for k, v in clocks.items()},

@@ -363,10 +363,12 @@ def round_costs(total: SpecStats, target_seconds: float, target_tokens: int) -> 
 
 
 def measured_advice(stats: SpecStats, settings: dict[str, Any]) -> dict[str, Any] | None:
-    """SGLang launch advice from the acceptance this run measured (EAGLE-3 chains only: a
-    tree's positions are not a chain's, and a DFlash block's depth is its ``block_size``)."""
+    """SGLang launch advice from the acceptance this run measured: for a draft SGLang serves
+    as ``EAGLE3`` chains (``settings["sglang_algorithm"]``; a tree's positions are not a
+    chain's, and other families' depths are not EAGLE's step-by-step chains)."""
     deepest = max(stats.depth_histogram, default=0)
-    chain = settings.get("topk", 1) == 1 and settings.get("draft_family", "eagle3") == "eagle3"
+    eagle = settings.get("sglang_algorithm", "EAGLE3") == "EAGLE3"
+    chain = settings.get("topk", 1) == 1 and eagle
     if not chain or deepest == 0:
         return None
     return sglang_advice(

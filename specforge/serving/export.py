@@ -61,6 +61,9 @@ from specforge.serving.advice import advice_markdown
 
 logger = logging.getLogger(__name__)
 
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+"""What ``config.json``'s ``architectures`` names for both engines."""
+
 MARKER = "specforge-export.json"
 """Written into every export: the files it holds, so a later export may replace them."""
 
@@ -151,9 +154,14 @@ level, as vLLM reads them), left out for an EAGLE-3 draft."""
 
 
 def check_export_tensors(
-    tensors: dict[str, torch.Tensor], config: Eagle3Config, dtype: torch.dtype
+    tensors: dict[str, torch.Tensor],
+    config: Eagle3Config,
+    dtype: torch.dtype,
+    *,
+    extra: dict[str, tuple[int, ...]] | None = None,
 ) -> None:
-    """Check names, shapes, dtypes and the vocabulary-map invariants against the contract.
+    """Check names, shapes, dtypes and the vocabulary-map invariants against the contract;
+    ``extra``: further float tensors (name -> shape) of a family that extends EAGLE-3.
 
     Raises:
         ExportError: listing every problem.
@@ -163,6 +171,7 @@ def check_export_tensors(
         for spec in EXPORT_CONTRACT
         if spec.when(config)
     }
+    expected |= {name: (shape, dtype) for name, shape in (extra or {}).items()}
     problems = contract_problems(tensors, expected)
     if not problems and _reduced(config):
         try:
@@ -248,7 +257,7 @@ def export_config_dict(
 ) -> dict[str, Any]:
     """The ``config.json`` of an exported draft."""
     exported: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLMEagle3"],
+        "architectures": [ARCHITECTURE],
         "model_type": "llama",
         "num_hidden_layers": 1,
         **layer_geometry(config),
@@ -277,9 +286,9 @@ def check_export_config(exported: dict[str, Any], target_config) -> None:
     """
     target_config = text_config(target_config)
     problems = []
-    if exported.get("architectures") != ["LlamaForCausalLMEagle3"]:
+    if exported.get("architectures") != [ARCHITECTURE]:
         problems.append(
-            f"architectures is {exported.get('architectures')}, expected ['LlamaForCausalLMEagle3']"
+            f"architectures is {exported.get('architectures')}, expected ['{ARCHITECTURE}']"
         )
     if exported.get("num_hidden_layers") != 1:
         problems.append(f"num_hidden_layers is {exported.get('num_hidden_layers')}, expected 1")
@@ -339,9 +348,13 @@ def write_export(
     dtype: str = "bfloat16",
     tokenizer=None,
     advice: dict | None = None,
+    extra_config: dict[str, Any] | None = None,
+    extra_tensors: tuple[str, ...] = (),
 ) -> Path:
     """Check and write an export directory atomically (with ``sglang_advice.json`` / ``.md``
     when ``advice`` is given, :func:`specforge.serving.advice.sglang_advice`).
+    ``extra_config`` (``config.json`` keys) and ``extra_tensors`` (``model``'s state names,
+    float, in ``dtype``) are what a family that extends EAGLE-3 adds to its export.
 
     Raises:
         ExportError: the draft does not fit the contract or the target.
@@ -354,9 +367,13 @@ def write_export(
         num_target_layers=text_config(target_config).num_hidden_layers,
         dtype=dtype,
     )
+    exported |= extra_config or {}
     check_export_config(exported, target_config)
     tensors = export_tensors(model, float_dtype)
-    check_export_tensors(tensors, config, float_dtype)
+    state = model.state_dict()
+    tensors |= {name: state[name].detach().cpu().to(float_dtype) for name in extra_tensors}
+    extra = {name: tuple(tensors[name].shape) for name in extra_tensors}
+    check_export_tensors(tensors, config, float_dtype, extra=extra)
     if len(set(aux_layer_ids)) < len(aux_layer_ids):
         logger.warning(
             "the aux layers %s repeat a layer: vLLM collects each aux layer once, so its fc "
@@ -468,6 +485,8 @@ def load_exported_draft(
     target_config,
     target_embedding: torch.Tensor,
     dtype: torch.dtype = torch.float32,
+    model_class: type[Eagle3DraftModel] | None = None,
+    extra: Callable[[Any], dict[str, tuple[int, ...]]] | None = None,
 ) -> Eagle3DraftModel:
     """Load an exported directory as a draft model (what the built-in runtime serves), checking
     it against the contract first.
@@ -477,6 +496,10 @@ def load_exported_draft(
         target_config: the target's HF config (vocabulary, positions, RoPE must match).
         target_embedding: (V, Ht) the target's input embedding (shared, as engines share it).
         dtype: dtype to run the draft in.
+        model_class: the draft class of a family that extends EAGLE-3 (its config class is
+            ``model_class.config_class``, read from ``config.json``'s keys of its fields).
+        extra: the further tensors (name -> shape) such a family's export holds, given its
+            config.
 
     Raises:
         ExportError: a directory that breaks the contract.
@@ -487,14 +510,16 @@ def load_exported_draft(
         raise ExportError(f"{export_dir} is not an export directory (no config.json)")
     exported = read_json(config_path)
     check_export_config(exported, target_config)
-    fields = {f.name for f in dataclasses.fields(Eagle3Config)}
-    config = Eagle3Config.from_dict(
+    model_class = model_class or Eagle3DraftModel
+    config_class = model_class.config_class
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    config = config_class.from_dict(
         {k: v for k, v in exported.items() if k in fields}, str(config_path)
     )
     tensors = read_safetensors(export_dir / "model.safetensors")
     float_dtype = tensors["fc.weight"].dtype if "fc.weight" in tensors else torch.bfloat16
-    check_export_tensors(tensors, config, float_dtype)
-    model = Eagle3DraftModel(config)
+    check_export_tensors(tensors, config, float_dtype, extra=extra(config) if extra else None)
+    model = model_class(config)
     state = dict(tensors)
     state.setdefault(FROZEN_WEIGHTS[0], target_embedding)
     if not _reduced(config):

@@ -151,6 +151,18 @@ class FixedDepth:
         pass
 
 
+def new_policy(num_steps: int, *, auto: bool, **settings) -> FixedDepth | AutoPolicy:
+    """The policy a runtime plans its rounds with: :class:`AutoPolicy` for ``auto`` (its
+    ``settings``: :class:`AutoPolicy`'s keyword arguments), else :class:`FixedDepth`.
+
+    Raises:
+        UserError: sampling settings out of range, or prompt lookup where it cannot compete
+            (:func:`check_decoding`).
+    """
+    check_decoding(settings["temperature"], settings["top_p"], settings["lookup_tokens"], auto=auto)
+    return AutoPolicy(num_steps, **settings) if auto else FixedDepth(num_steps)
+
+
 @dataclass
 class Outcome:
     """What a verified round gives its policy to learn from."""

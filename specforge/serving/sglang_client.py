@@ -62,7 +62,7 @@ def sglang_generate(
     if speculative and "spec_verify_ct" not in meta:
         raise UserError(
             f"{url}: meta_info has no spec_verify_ct; is the server running with "
-            "--speculative-algorithm EAGLE3 (or DFLASH)?"
+            "a --speculative-algorithm (EAGLE3, ...)?"
         )
     return item
 

@@ -31,20 +31,15 @@ from specforge.engine.draft import DraftEngine
 from specforge.engine.generation import warp_probs
 from specforge.engine.target import TargetEngine
 from specforge.errors import UserError
-from specforge.models.adapter import serving_refusal, tree_refusal
-from specforge.models.dflash import DFlashDraftModel
-from specforge.models.eagle3 import Eagle3DraftModel
 from specforge.serving.adaptive import CostModel, calibrate
 from specforge.serving.policy import (
     AUTO_MAX_SIBLINGS,
-    AutoPolicy,
-    FixedDepth,
     Outcome,
     Plan,
-    check_decoding,
     checked_depth,
+    new_policy,
 )
-from specforge.serving.proposers import proposer_for
+from specforge.serving.proposers import eagle_proposer
 from specforge.serving.sampling import accept_chain_sampling, accept_tree_sampling, sample
 from specforge.serving.stats import SpecStats
 from specforge.serving.tree import accept_greedy
@@ -64,9 +59,10 @@ class SpeculativeDecoder:
     def __init__(
         self,
         target_model,
-        draft_model: Eagle3DraftModel | DFlashDraftModel,
+        draft_model,
         *,
         aux_layer_ids: list[int],
+        proposer=None,
         num_steps: int | str = 5,
         topk: int = 1,
         num_draft_tokens: int | None = None,
@@ -80,8 +76,12 @@ class SpeculativeDecoder:
         """
         Args:
             target_model: the HF target (eval mode).
-            draft_model: an EAGLE-3 or DFlash draft, any dtype (only proposals depend on it).
+            draft_model: the draft, any dtype (only proposals depend on it).
             aux_layer_ids: the target layers the draft was trained on.
+            proposer: the draft family's proposer factory
+                (:attr:`specforge.families.family.DraftFamily.proposer`: refuses the settings
+                the family cannot run); default: an EAGLE-3 draft's
+                (:func:`~specforge.serving.proposers.eagle_proposer`).
             num_steps: draft depth (tokens per chain), or ``"auto"``: each round the depth in
                 ``0 .. AUTO_MAX_DEPTH`` with the most expected tokens per second, decided token
                 by token from the draft's calibrated confidence when greedy, from the position
@@ -108,44 +108,39 @@ class SpeculativeDecoder:
         """
         self.auto = num_steps == "auto"
         num_steps = checked_depth(num_steps, topk, num_draft_tokens, max_siblings)
-        check_decoding(temperature, top_p, lookup_tokens, auto=self.auto)
-        no_tree = None if engine is not None else tree_refusal(target_model)
-        refusal = serving_refusal(target_model) or (topk > 1 and no_tree)
-        if refusal:
-            raise UserError(refusal)
-        self.target, self.engine = target_model, engine
         self.verifier = TargetVerifier(target_model, aux_layer_ids=aux_layer_ids, engine=engine)
+        if topk > 1 and self.verifier.tree_refusal:
+            raise UserError(self.verifier.tree_refusal)
+        self.target, self.engine = target_model, engine
         self.aux_layer_ids, self.num_steps = list(aux_layer_ids), num_steps
         self.topk, self.num_draft_tokens = topk, num_draft_tokens
         self.temperature, self.top_p = temperature, top_p
         self.generator: torch.Generator | None = None
         self.device = next(target_model.parameters()).device
-        self.proposer = proposer_for(
+        sampling = {"temperature": temperature, "top_p": top_p}
+        self.proposer = (proposer or eagle_proposer)(
             draft_model,
             num_steps=num_steps,
             topk=topk,
             auto=self.auto,
             engine=engine,
             draft_engine=draft_engine,
-            temperature=temperature,
-            top_p=top_p,
+            **sampling,
         )
-        self.policy: AutoPolicy | FixedDepth = FixedDepth(num_steps)
-        if self.auto:
-            self.policy = AutoPolicy(
-                num_steps,
-                temperature=temperature,
-                top_p=top_p,
-                max_siblings=max_siblings,
-                lookup_tokens=lookup_tokens,
-                trees=not no_tree,
-                device=self.device,
-            )
+        self.policy = new_policy(
+            num_steps,
+            auto=self.auto,
+            max_siblings=max_siblings,
+            lookup_tokens=lookup_tokens,
+            trees=self.verifier.tree_refusal is None,
+            device=self.device,
+            **sampling,
+        )
 
     # -- what the policy and the proposer hold -----------------------------------------------
 
     @property
-    def draft_model(self) -> Eagle3DraftModel | DFlashDraftModel:
+    def draft_model(self):
         return self.proposer.draft_model
 
     @property
@@ -164,19 +159,14 @@ class SpeculativeDecoder:
         step."""
         ids = input_ids.to(self.device).repeat(1, -(-context // input_ids.shape[1]))[:, :context]
         target_cache = self._new_target_cache(context)
-        draft_cache = self.proposer.new_cache(context)
         _, aux = self.verifier.forward(ids, target_cache, logits_to_keep=1)
-        _, hidden = self.proposer.extend(ids[:, 1:], aux[:, :-1], 0, draft_cache)
         token = ids[:, -1:]
 
         def verify(n: int) -> None:
             self.verifier.forward(token.repeat(1, n), target_cache)
             crop_cache(target_cache, context)
 
-        def draft_step() -> None:  # what a round's draft step runs
-            self.proposer.step(token[0], hidden, context - 1, draft_cache)
-            crop_cache(draft_cache, context - 1)
-
+        draft_step = self.proposer.timed_step(ids, aux)  # what a round's draft step runs
         self.policy.costs = calibrate(
             verify, draft_step, max_depth=self._widest_chain, clock=self._clock
         )

@@ -9,7 +9,8 @@ import torch
 
 from specforge.engine.cache import gather_cache
 from specforge.engine.target import TargetEngine
-from specforge.models.adapter import check_logits
+from specforge.errors import UserError
+from specforge.models.adapter import check_logits, serving_refusal, tree_refusal
 from specforge.models.kv_cache import growing_cache
 from specforge.models.target import target_hidden_states
 from specforge.serving.tree import DraftTree, row_argmax, tree_attention, verification_inputs
@@ -21,9 +22,18 @@ class TargetVerifier:
     Args:
         aux_layer_ids: the target layers whose outputs the draft reads.
         engine: the engine over ``target_model`` that runs its forwards, or ``None``.
+
+    Raises:
+        UserError: a target the runtime cannot serve (recurrent layers), before any forward.
     """
 
     def __init__(self, target_model, *, aux_layer_ids: list[int], engine: TargetEngine | None):
+        refusal = serving_refusal(target_model)
+        if refusal:
+            raise UserError(refusal)
+        self.tree_refusal = None if engine is not None else tree_refusal(target_model)
+        """Why the target cannot verify a tree here (``None``: it can: the engine verifies
+        trees whatever the target's attention)."""
         self.target, self.engine = target_model, engine
         self.aux_layer_ids = list(aux_layer_ids)
         self.transform = check_logits(target_model)

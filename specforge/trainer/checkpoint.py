@@ -28,13 +28,7 @@ from specforge.io import (
     read_safetensors,
     write_json_atomic,
 )
-from specforge.models.dflash import DFlashConfig, DFlashDraftModel
-from specforge.models.eagle3 import (
-    FROZEN_WEIGHTS,
-    Eagle3Config,
-    Eagle3DraftModel,
-    load_draft_weights,
-)
+from specforge.models.eagle3 import FROZEN_WEIGHTS, load_draft_weights
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +37,7 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 
 def draft_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The draft's state dict without the target's tensors it holds (``frozen_weights``: the
-    embedding; a DFlash draft's ``lm_head`` too), contiguous, on CPU."""
+    embedding, and whatever else its family shares with the target), contiguous, on CPU."""
     frozen = getattr(model, "frozen_weights", FROZEN_WEIGHTS)
     return {
         k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k not in frozen
@@ -126,28 +120,6 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         raise UserError(f"{path} is not a complete checkpoint (no trainer_state.json)") from None
     except (OSError, ValueError) as err:
         raise UserError(f"{path}/trainer_state.json cannot be read ({err})") from None
-
-
-def load_draft(
-    path: Path, target_embedding: torch.Tensor | None = None
-) -> Eagle3DraftModel | DFlashDraftModel:
-    """The draft saved in checkpoint ``path``, of the family its trainer state names. A
-    checkpoint holds no copy of the target's tensors (:data:`~specforge.models.eagle3.
-    FROZEN_WEIGHTS`; a DFlash draft's ``lm_head`` too): ``target_embedding`` (V, Ht) fills the
-    embedding, else the caller must (the draft's proposals mean nothing until then)."""
-    path = Path(path)
-    state = read_trainer_state(path)
-    config_path = path / "draft_config.json"
-    values = json.loads(config_path.read_text())
-    if state.get("draft_type") == "dflash":
-        model = DFlashDraftModel(DFlashConfig.from_dict(values, str(config_path)))
-    else:
-        model = Eagle3DraftModel(Eagle3Config.from_dict(values, str(config_path)))
-    load_draft_weights(model, read_safetensors(path / "draft.safetensors"), str(path))
-    if target_embedding is not None:
-        with torch.no_grad():
-            model.embed_tokens.weight.copy_(target_embedding)
-    return model
 
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer=None) -> dict[str, Any]:

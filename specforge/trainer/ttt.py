@@ -98,7 +98,7 @@ def target_distribution(
     # (B, T, Ht) -> (N, Ht), the N selected positions
     flat = last_hidden_state[rows]
     weight = lm_head_weight.to(flat.dtype)
-    # every id in order (a DFlash draft's soft labels): one product gives both
+    # every id in order (a block draft's soft labels): one product gives both
     every_id = len(hot_ids) == weight.shape[0] and torch.equal(
         hot_ids, torch.arange(len(hot_ids), device=hot_ids.device)
     )
@@ -269,8 +269,9 @@ def ttt_unroll(
     at steps ``0 .. ttt_length - 1`` (logits: ``draft.logits``).
 
     Step ``k`` feeds token ``t + 1 + k`` at RoPE position ``t + k`` and, for ``k > 0``, the
-    draft's own pre-norm hidden state of step ``k - 1``. Step 0 reads every position (all are
-    keys); later steps compute positions ``start..T-1`` alone.
+    draft's own pre-norm hidden state of step ``k - 1`` (both as the draft's
+    :meth:`~specforge.models.eagle3.Eagle3DraftModel.unrolled_inputs` gives them). Step 0 reads
+    every position (all are keys); later steps compute positions ``start..T-1`` alone.
     """
     batch, length = input_ids.shape
     key_padding_mask = attention_mask.bool()
@@ -283,6 +284,7 @@ def ttt_unroll(
         if k > 0:
             # (B, T) -> (B, T - start)
             ids, step_positions = ids[:, start:], step_positions[:, start:]
+            ids, hidden = draft.unrolled_inputs(ids, hidden)
         hidden = draft.ttt_step(
             ids,
             hidden,

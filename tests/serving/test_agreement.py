@@ -10,9 +10,10 @@ from transformers import AutoConfig
 
 from specforge.cli import main, parse_args, stage_config
 from specforge.errors import UserError
+from specforge.families import export_checks
 from specforge.recipes.export import check_with_vllm
 from specforge.recipes.train import train
-from specforge.serving.agreement import agreement, export_checks
+from specforge.serving.agreement import agreement
 from tests.helpers import tiny_train_config
 from tests.serving.test_vllm_client import bench_against_standins, write_questions
 from tests.serving.vllm_standin import serve_in_thread

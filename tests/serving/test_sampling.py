@@ -10,7 +10,8 @@ from specforge.data.vocab import build_vocab_map
 from specforge.engine.cpu.int8_linear import int8_linear_available, quantize_linears
 from specforge.engine.generation import NUCLEUS_CANDIDATES, warp_probs
 from specforge.engine.target import TargetEngine
-from specforge.models.dflash import DFlashConfig, build_dflash_model
+from specforge.families import family
+from specforge.families.dflash.model import DFlashConfig, build_dflash_model
 from specforge.models.eagle3 import Eagle3Config, build_draft_model
 from specforge.serving.sampling import accept_chain_sampling, accept_tree_sampling
 from specforge.serving.speculative import SpeculativeDecoder
@@ -175,6 +176,7 @@ def test_dflash_block_sampling_matches_the_target(models):
     decoder = SpeculativeDecoder(
         target,
         draft,
+        proposer=family("dflash").proposer,
         aux_layer_ids=config.target_layer_ids,
         num_steps=2,
         temperature=TEMPERATURE,

@@ -71,10 +71,3 @@ def test_soft_block_labels_train_through_the_target_s_whole_vocabulary(tmp_path,
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if m["split"] == "eval"]
     assert evals[-1]["tau_pred"] > evals[0]["tau_pred"]
-
-
-@pytest.mark.parametrize("setting", ["train.loss=lk", "train.target_temperature=0"])
-def test_eagle3_loss_settings_are_refused_for_a_dflash_draft(tmp_path, peaked_target_dir, setting):
-    folder, data = peaked_target_dir
-    with pytest.raises(UserError, match="draft.block_labels"):
-        tiny_train_config(folder, data, tmp_path / "run", *DFLASH, setting)

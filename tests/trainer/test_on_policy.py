@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 from specforge.config import ConfigError
 from specforge.data.batching import collate
 from specforge.data.chat import TokenizedSample
+from specforge.families import load_checkpoint_draft as load_draft
 from specforge.models.target import target_hidden_states
 from specforge.recipes.train import train
 from specforge.serving.speculative import SpeculativeDecoder
-from specforge.trainer.checkpoint import load_draft
 from specforge.trainer.ttt import (
     TTTObjective,
     replay,
@@ -175,11 +175,13 @@ def test_on_policy_phase_trains_resumes_exactly_and_serves_losslessly(tmp_path, 
 
 
 def test_an_on_policy_phase_for_a_dflash_draft_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="draft.type dflash has no on-policy phase"):
-        tiny_train_config(
-            tmp_path,
-            tmp_path / "d.jsonl",
-            tmp_path / "o",
-            "draft.type=dflash",
-            "train.on_policy.steps=2",
-        )
+    """Refused when the stage starts, before the target or the data is read."""
+    cfg = tiny_train_config(
+        tmp_path,
+        tmp_path / "missing.jsonl",
+        tmp_path / "o",
+        "draft.type=dflash",
+        "train.on_policy.steps=2",
+    )
+    with pytest.raises(ConfigError, match="train.on_policy.steps=2 does nothing for draft.type"):
+        train(cfg)

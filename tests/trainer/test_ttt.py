@@ -138,6 +138,9 @@ def test_perfect_draft_scores_full_accuracy_and_zero_excess_loss():
         def fuse(self, aux_hidden_states):
             return aux_hidden_states  # ignored by this stub
 
+        def unrolled_inputs(self, input_ids, hidden):
+            return input_ids, hidden
+
         def to_target_ids(self, ids):
             return ids + self.d2t[ids]
 

@@ -124,6 +124,22 @@ class EagleProposer:
         step_logits, hidden = self.draft_model(token[None], hidden, step_position, cache=cache)
         return step_logits[0, -1].float(), hidden
 
+    def timed_step(self, ids: torch.Tensor, aux: torch.Tensor):
+        """A draft step after a context of ``ids`` (1, T) with their target features
+        (1, T, F), as a callable that runs it again each time (dropping what it cached): what
+        ``auto``'s cost model times as one draft step (:func:`~specforge.serving.adaptive.
+        calibrate`)."""
+        context = ids.shape[1]
+        cache = self.new_cache(context)
+        _, hidden = self.extend(ids[:, 1:], aux[:, :-1], 0, cache)
+        token = ids[0, -1:]
+
+        def draft_step() -> None:
+            self.step(token, hidden, context - 1, cache)
+            crop_cache(cache, context - 1)
+
+        return draft_step
+
     # -- proposals -----------------------------------------------------------------------------
 
     def token(self, logits: torch.Tensor):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from specforge.data.batching import Batch
-from specforge.models.dflash import DFlashDraftModel
+from specforge.families.dflash.model import DFlashDraftModel
 
 
 def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:

@@ -8,13 +8,16 @@ import torch
 
 from specforge.engine.target import TargetEngine
 from specforge.errors import UserError
-from specforge.models.dflash import DFlashConfig, build_dflash_model
+from specforge.families import family
+from specforge.families.dflash.model import DFlashConfig, build_dflash_model
+from specforge.families.dflash.objective import block_loss, block_targets, sample_anchors
 from specforge.models.target import target_hidden_states
 from specforge.serving.speculative import SpeculativeDecoder
-from specforge.trainer.dflash import block_loss, block_targets, sample_anchors
 from tests.helpers import greedy_reference, make_tiny_llama
 
 VOCAB, PROMPT, NEW, BLOCK = 96, 4, 36, 4
+
+DFLASH = family("dflash")
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,12 @@ def test_a_trained_dflash_draft_serves_its_blocks_losslessly(trained, through):
     if through == "engine":
         engine = TargetEngine(target, aux_layer_ids=layers, compile=False)
     decoder = SpeculativeDecoder(
-        target, draft, aux_layer_ids=layers, num_steps=BLOCK - 1, engine=engine
+        target,
+        draft,
+        proposer=DFLASH.proposer,
+        aux_layer_ids=layers,
+        num_steps=BLOCK - 1,
+        engine=engine,
     )
     for prompt, reference in zip(prompts, references, strict=True):
         tokens, stats = decoder.generate(prompt, max_new_tokens=NEW)
@@ -78,4 +86,6 @@ def test_a_dflash_draft_refuses_auto_trees_and_depths_past_its_block(trained):
     layers = draft.config.target_layer_ids
     for settings in ({"num_steps": "auto"}, {"num_steps": 4}, {"topk": 2, "num_draft_tokens": 4}):
         with pytest.raises(UserError, match="a DFlash draft proposes one block a round"):
-            SpeculativeDecoder(target, draft, aux_layer_ids=layers, **settings)
+            SpeculativeDecoder(
+                target, draft, proposer=DFLASH.proposer, aux_layer_ids=layers, **settings
+            )

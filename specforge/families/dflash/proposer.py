@@ -1,7 +1,7 @@
 """The DFlash proposer: one block a round. The draft reads the target's states at the tokens
 accepted since its last block as new context (kept as keys and values in its cache) and
 predicts the ``block_size - 1`` tokens after the last accepted one in a single forward
-(:class:`~specforge.models.dflash.DFlashDraftModel`); the runtime verifies them as a chain.
+(:class:`~specforge.families.dflash.model.DFlashDraftModel`); the runtime verifies them as a chain.
 
 Sampling draws each slot from the draft's warped distribution there; the slots are predicted
 in parallel, so a slot's distribution does not depend on the tokens drawn before it, and
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from specforge.engine.generation import warp_probs
-from specforge.models.dflash import DFlashCache, DFlashDraftModel
+from specforge.families.dflash.model import DFlashCache, DFlashDraftModel
 
 
 @dataclass

@@ -8,12 +8,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from specforge.families import family
+from specforge.families.dflash.export import load_exported_dflash, write_dflash_export
 from specforge.serving.export import ExportError
-from specforge.serving.export_dflash import load_exported_dflash, write_dflash_export
 from specforge.serving.speculative import SpeculativeDecoder
+from tests.families.test_dflash_model import VOCAB, tiny_dflash
 from tests.helpers import greedy_reference
-from tests.models.test_dflash import VOCAB, tiny_dflash
 from tests.serving.test_export import STACKED, assert_each_parameter_loaded_once
+
+DFLASH = family("dflash")
 
 
 def sglang_dflash_config(config: dict) -> dict:
@@ -119,7 +122,9 @@ def test_the_loaded_export_serves_the_draft_s_own_blocks(exported):
     layers = draft.config.target_layer_ids
     runs = []
     for model in (draft, loaded):
-        decoder = SpeculativeDecoder(target, model, aux_layer_ids=layers, num_steps=3)
+        decoder = SpeculativeDecoder(
+            target, model, proposer=DFLASH.proposer, aux_layer_ids=layers, num_steps=3
+        )
         tokens, stats = decoder.generate(prompt, max_new_tokens=20)
         assert tokens == reference
         runs.append(stats.accepted_per_round)
@@ -156,7 +161,7 @@ def test_specforge_bench_serves_a_dflash_export(tmp_path, tiny_target_dir):
     from transformers import AutoModelForCausalLM
 
     from specforge.cli import main
-    from specforge.models.dflash import DFlashConfig, build_dflash_model
+    from specforge.families.dflash.model import DFlashConfig, build_dflash_model
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
     config = DFlashConfig.from_target(target.config, mask_token_id=0, block_size=4)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specforge.data.batching import Batch
-from specforge.trainer.dflash import (
+from specforge.families.dflash.objective import (
     BlockVocabulary,
     DFlashObjective,
     block_loss,
@@ -19,7 +19,7 @@ from specforge.trainer.dflash import (
     soft_targets,
 )
 from specforge.trainer.ttt import TargetDistribution
-from tests.models.test_dflash import VOCAB, tiny_dflash
+from tests.families.test_dflash_model import VOCAB, tiny_dflash
 
 
 def test_anchors_are_followed_by_an_assistant_token_and_never_repeat():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specforge.errors import UserError
-from specforge.models.dflash import (
+from specforge.families.dflash.model import (
     DFlashCache,
     DFlashConfig,
     block_mask,

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from specforge.config import torch_dtype
+from specforge.families.dflash.model import FROZEN_WEIGHTS, DFlashConfig, DFlashDraftModel
 from specforge.io import read_json, read_safetensors
 from specforge.models.adapter import text_config
-from specforge.models.dflash import FROZEN_WEIGHTS, DFlashConfig, DFlashDraftModel
 from specforge.serving.export import (
     ExportError,
     contract_problems,

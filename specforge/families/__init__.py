@@ -1,0 +1,192 @@
+"""The draft families: ``draft.type`` -> the :class:`~specforge.families.family.DraftFamily`
+that answers everything the recipes ask of it. A family is a folder here and one line of
+:data:`REGISTRY`; nothing outside its folder names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specforge.config import ConfigError
+from specforge.errors import UserError
+from specforge.families.family import DraftFamily
+from specforge.io import read_json, read_safetensors
+from specforge.models.eagle3 import load_draft_weights
+from specforge.serving.export import check_as_written
+from specforge.trainer.checkpoint import read_trainer_state
+
+logger = logging.getLogger(__name__)
+
+REGISTRY: dict[str, str] = {
+    "eagle3": "specforge.families.eagle3",
+    "dflash": "specforge.families.dflash",
+    "peagle": "specforge.families.peagle",
+}
+"""``draft.type`` -> the module whose ``FAMILY`` is that family (imported on first use)."""
+
+
+@cache
+def family(name: str) -> DraftFamily:
+    """The family ``draft.type`` names.
+
+    Raises:
+        UserError: a name the registry does not hold.
+    """
+    if name not in REGISTRY:
+        raise UserError(f"draft.type {name!r} is not a draft family (one of {sorted(REGISTRY)})")
+    found = importlib.import_module(REGISTRY[name]).FAMILY
+    assert found.name == name, f"{REGISTRY[name]} holds family {found.name!r}, not {name!r}"
+    return found
+
+
+def families() -> list[DraftFamily]:
+    """Every registered family, in registry order."""
+    return [family(name) for name in REGISTRY]
+
+
+def family_of_checkpoint(state: dict[str, Any]) -> DraftFamily:
+    """The family a checkpoint's trainer state records (``draft_type``; ``eagle3`` before the
+    key was written)."""
+    return family(state.get("draft_type", "eagle3"))
+
+
+def load_checkpoint_draft(path: str | Path, target_embedding=None):
+    """The draft saved in checkpoint ``path``, of the family its trainer state records. A
+    checkpoint holds no copy of the target's tensors (a draft's ``frozen_weights``):
+    ``target_embedding`` (V, Ht) fills the embedding, else the caller must (the draft's
+    proposals mean nothing until then).
+
+    Raises:
+        UserError: not a checkpoint, or weights that do not fit its saved geometry.
+    """
+    path = Path(path)
+    found = family_of_checkpoint(read_trainer_state(path))
+    config_path = path / "draft_config.json"
+    model = found.new_model(read_json(config_path), str(config_path))
+    load_draft_weights(model, read_safetensors(path / "draft.safetensors"), str(path))
+    if target_embedding is not None:
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(target_embedding)
+    return model
+
+
+def family_of_export(export_dir: str | Path) -> DraftFamily:
+    """The family whose layout an export's ``config.json`` has: a family that extends another
+    is asked before the one it extends.
+
+    Raises:
+        UserError: no ``config.json``, or a layout no family recognises.
+    """
+    config_path = Path(export_dir) / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{export_dir} is not an export directory (no config.json)")
+    exported = read_json(config_path)
+    extended = {f.extends for f in families()}
+    for found in sorted(families(), key=lambda f: f.name in extended):
+        if found.recognizes(exported):
+            return found
+    raise UserError(
+        f"{config_path}: architectures {exported.get('architectures')} is no draft family's "
+        f"export (one of {sorted(REGISTRY)})"
+    )
+
+
+def check_options(cfg) -> None:
+    """Refuse a family-only option set for another family: a ``draft.*`` or ``train.*`` key
+    that differs from its default while ``draft.type``'s family does not read it.
+
+    Raises:
+        ConfigError: naming the key, its value and the families that read it; or a family
+            that trains online only with ``data.mode: offline``.
+    """
+    chosen = family(cfg.draft.type)
+    if cfg.data.mode == "offline" and not chosen.offline:
+        raise ConfigError(
+            f"draft.type {chosen.name} trains online (data.mode online): a capture holds "
+            "EAGLE-3's three aux layers, not the layers this draft reads"
+        )
+    readers: dict[str, list[str]] = {}
+    for found in families():
+        for key in found.options:
+            readers.setdefault(key, []).append(found.name)
+    for key, names in readers.items():
+        if chosen.name in names:
+            continue
+        section, name = key.split(".", 1)
+        value, default = _value_and_default(getattr(cfg, section), name)
+        if value != default:
+            raise ConfigError(
+                f"{key}={value!r} does nothing for draft.type {chosen.name} (read by "
+                f"{', '.join(names)}): remove it, or set draft.type to one of those"
+            )
+
+
+def _value_and_default(section, dotted: str) -> tuple[Any, Any]:
+    """A (possibly nested, ``on_policy.steps``) field's value and its dataclass default."""
+    head, _, rest = dotted.partition(".")
+    value = getattr(section, head)
+    if rest:
+        return _value_and_default(value, rest)
+    spec = {f.name: f for f in dataclasses.fields(section)}[head]
+    default = spec.default
+    if default is dataclasses.MISSING:
+        default = spec.default_factory()
+    return value, default
+
+
+def drafting_depth(export_dir: str | Path, num_steps: int | str, topk: int) -> int | str:
+    """The depth the built-in runtime drafts an export at: ``num_steps``, or under ``auto`` for
+    a family that has no ``auto``, the family's own depth (logged). Settings the family cannot
+    run are refused here, from the export's ``config.json`` alone, before any model loads.
+
+    Raises:
+        UserError: a tree for a family without trees, or a chain deeper than it drafts.
+    """
+    found = family_of_export(export_dir)
+    capabilities = found.capabilities
+    config = found.draft_config(Path(export_dir))
+    if num_steps == "auto" and not capabilities.auto_depth:
+        num_steps = capabilities.default_depth(config)
+        logger.info(
+            "a %s draft has no auto depth: it drafts %d tokens a round", found.name, num_steps
+        )
+    deepest = capabilities.max_depth(config)
+    if topk > 1 and not capabilities.trees:
+        raise UserError(f"a {found.name} draft drafts chains only (topk 1), got topk {topk}")
+    if deepest is not None and isinstance(num_steps, int) and num_steps > deepest:
+        raise UserError(
+            f"a {found.name} draft ({export_dir}) drafts at most {deepest} tokens a round, "
+            f"got num_steps {num_steps}"
+        )
+    return num_steps
+
+
+def export_checks(export_dir: str | Path, target_config) -> list[dict[str, str | None]]:
+    """An export's contract, check by check (the files as written, then its family's checks):
+    ``{"check": what, "problem": None or why}``."""
+    export_dir = Path(export_dir)
+    exported = read_json(export_dir / "config.json")
+    tensors = read_safetensors(export_dir / "model.safetensors")
+    checks = [
+        (
+            "files as written (the checksums of config.json and model.safetensors in "
+            "specforge-export.json)",
+            lambda: check_as_written(export_dir),
+        ),
+        *family_of_export(export_dir).export_checks(export_dir, exported, tensors, target_config),
+    ]
+    report = []
+    for name, check in checks:
+        try:
+            check()
+            report.append({"check": name, "problem": None})
+        except (UserError, ValueError) as err:
+            report.append({"check": name, "problem": str(err)})
+    return report

@@ -1,0 +1,102 @@
+"""What the rest of the package asks of a draft family, in one record: a family is a folder
+(``specforge/families/<name>/``: model, objective, proposer, exporter) whose ``__init__`` builds
+one :class:`DraftFamily`, and a line of :data:`specforge.families.REGISTRY`.
+
+Recipes, checkpoints, exports and benches dispatch on the record; none of them branches on a
+family's name or class. The family is recorded once in a checkpoint (``trainer_state.json``'s
+``draft_type``) and found again in an export by :attr:`DraftFamily.recognizes` (its
+``config.json``, as the engines read it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a family's proposer can do, which the runtime and the bench ask before a round."""
+
+    auto_depth: bool
+    """It drafts step by step, so ``num_steps: auto`` may stop a chain at any token."""
+    trees: bool
+    """It drafts trees (``topk > 1``)."""
+    graphs: bool
+    """Its draft forwards may be captured as CUDA graphs (a :class:`DraftEngine`)."""
+    max_depth: Callable[[Any], int | None]
+    """The deepest chain a round may draft for a draft config (``None``: no bound)."""
+    default_depth: Callable[[Any], int | None]
+    """The depth the bench and the engine check use where ``num_steps`` is ``auto`` and the
+    family has no ``auto`` (``None``: the family has ``auto``)."""
+
+
+@dataclass(frozen=True)
+class EngineMethods:
+    """How the serving engines name the family."""
+
+    vllm: dict[str, Any] | None
+    """vLLM's ``--speculative-config`` entries besides the model and depth (``None``: vLLM
+    does not serve it)."""
+    sglang: str | None
+    """SGLang's ``--speculative-algorithm`` (``None``: SGLang does not serve it)."""
+
+
+@dataclass(frozen=True)
+class DraftFamily:
+    """One draft family: every question the package asks of it (see the module docstring).
+
+    Callables take the recipe's objects as arguments; their signatures are the family's
+    contract with the recipes (``cfg`` a :class:`~specforge.config.SpecForgeConfig`).
+    """
+
+    name: str
+    """``draft.type``."""
+    summary: str
+    """One line for ``--help`` and the docs."""
+    offline: bool
+    """It trains from a capture on disk (``data.mode: offline``)."""
+    options: tuple[str, ...]
+    """The ``draft.*`` / ``train.*`` keys it reads beyond every family's; a key of another
+    family's is refused at config load (:func:`specforge.families.check_options`)."""
+    build: Callable[..., tuple[Any, Any, Any]]
+    """``build(cfg, source, samples, device) -> (draft, draft_config, vocab_map or None)``:
+    a new draft initialised from the target (``source.head``); it may set
+    ``source.aux_layer_ids`` to the target layers it reads."""
+    objective: Callable[..., Any]
+    """``objective(cfg, draft) -> nn.Module``: the draft and its loss, called on
+    ``(batch, aux_hidden_states, target_dist)``."""
+    vocabulary: Callable[..., Any]
+    """``vocabulary(cfg, draft, draft_config, device)``: what the hidden-state source reads of
+    the draft's vocabulary (``hot_ids``, ``t2d``)."""
+    metrics: Callable[[list], dict[str, float]]
+    """Loss, per-position accuracy and ``tau_pred`` over several steps' results."""
+    new_model: Callable[[dict[str, Any], str], Any]
+    """``new_model(saved_config_values, where)``: an empty draft of a saved geometry (a
+    checkpoint's ``draft_config.json``), its weights loaded by the caller."""
+    write_export: Callable[..., Path]
+    """``write_export(out_dir, *, model, target_config, aux_layer_ids, dtype, tokenizer,
+    advice)``: the directory the engines load, checked first."""
+    recognizes: Callable[[dict[str, Any]], bool]
+    """Whether an export's ``config.json`` is this family's."""
+    load_export: Callable[..., Any]
+    """``load_export(export_dir, *, target, dtype)``: the exported draft the built-in runtime
+    serves, checked against the contract, sharing the target's tensors."""
+    export_checks: Callable[..., list[tuple[str, Callable[[], None]]]]
+    """``export_checks(export_dir, exported_config, tensors, target_config)``: the contract,
+    check by check ``(what, check)``; a check raises a UserError or ValueError naming the
+    problem."""
+    aux_layer_ids: Callable[[Path, Any], list[int]]
+    """``aux_layer_ids(export_dir, target_text_config)``: the target layers the export reads."""
+    draft_config: Callable[[Path], Any]
+    """``draft_config(export_dir)``: the export's draft config (its depth bounds)."""
+    proposer: Callable[..., Any]
+    """``proposer(draft_model, *, num_steps, topk, auto, engine, draft_engine, temperature,
+    top_p)``: a proposer for the runtime (:mod:`specforge.serving.proposers`), or a UserError
+    naming the setting the family cannot run."""
+    capabilities: Capabilities
+    engines: EngineMethods
+    extends: str | None = None
+    """The family whose export layout this one's extends (its exports are recognised first)."""

@@ -1,0 +1,38 @@
+"""The P-EAGLE proposer: EAGLE-3's draft state (the context extended lazily over the accepted
+tokens), and a chain drafted in one forward over mask positions (:mod:`.model`) instead of one
+draft step per token."""
+
+from __future__ import annotations
+
+import torch
+
+from specforge.engine.cache import crop_cache
+from specforge.families.peagle.model import PEagleDraftModel
+from specforge.serving.proposers.eagle import EagleProposer
+
+
+class PEagleProposer(EagleProposer):
+    """Drafts with a :class:`PEagleDraftModel`: the first token from the context's last
+    logits, the rest from one forward over ``steps - 1`` mask positions after it, whose cache
+    entries are dropped again (the next extension writes the accepted tokens there)."""
+
+    draft_model: PEagleDraftModel
+
+    @torch.no_grad()
+    def chain(self, steps: int):
+        """Propose ``steps`` target ids from the state after the last accepted token. Returns
+        the tokens (K,) and, when sampling, their draft distributions (K, V)."""
+        state = self.state
+        rows = [state.logits]
+        if steps > 1:
+            # 1. the mask positions length .. length + K - 2 after the context, one forward
+            ids, hidden = self.draft_model.mask_inputs((1, steps - 1))
+            positions = torch.arange(state.length, state.length + steps - 1, device=ids.device)
+            logits, _ = self.draft_model(ids, hidden, positions[None], cache=state.cache)
+            crop_cache(state.cache, state.length)
+            # (1, K - 1, Vd) -> K - 1 rows, float32 whatever the draft's dtype
+            rows += list(logits[0].float())
+        # 2. each position's token (and distribution, when sampling) on its own
+        drawn = [self.token(row) for row in rows]
+        tokens = torch.cat([token for token, _ in drawn])
+        return tokens, (torch.stack([dist for _, dist in drawn]) if self.sampling else None)
