@@ -1,7 +1,9 @@
-"""Draft families at equal time: an EAGLE-3 draft and a DFlash draft trained for the same
-minutes on one conversations file with the quickstart's recipe, each exported and benched on
-the same questions (greedy, float32 target): held-out ``tau_pred``, MT-Bench accept length,
-speedup over the compiled target alone, prompt lookup beside, every output checked.
+"""Draft families at equal time: a draft of each family (``--families``, by default every one
+the registry holds) trained for the same minutes on one conversations file with the family's
+recipe (``configs/smollm2-135m-<family>.yaml``, the quickstart's data and schedule), each
+exported and benched on the same questions (greedy, float32 target): held-out ``tau_pred``,
+MT-Bench accept length, speedup over the compiled target alone, prompt lookup beside, every
+output checked.
 
     python benchmarks/draft_family_ab.py --data outputs/ab/data/conversations.jsonl \\
         --minutes 10 --questions question.jsonl --prompt-lookup 10 --output outputs/ab \\
@@ -9,8 +11,9 @@ speedup over the compiled target alone, prompt lookup beside, every output check
 
 Each step runs the project's own CLI (``specforge train``, ``export``, ``bench``) in a
 subprocess and is skipped on a rerun when its output is there (a trained run's checkpoint, an
-export, a ``bench.json``). A DFlash draft is benched at its block (``block_size - 1`` tokens a
-round), an EAGLE-3 draft at chain ``--eagle-steps``. Prompt lookup (``--prompt-lookup N``)
+export, a ``bench.json``). A family that drafts step by step is benched at chain ``--depth``;
+one that drafts a round in one forward at the depth it drafts (``bench.num_steps auto``: a
+DFlash draft's block, a P-EAGLE draft's trained depth). Prompt lookup (``--prompt-lookup N``)
 proposes from the prompt, not from a draft, so it runs once, beside the first arm's bench.
 ``--arm NAME FAMILY [KEY=VALUE ...]`` (repeatable) replaces ``--families`` with arms that
 differ in training settings too, e.g. DFlash's hard and soft labels:
@@ -31,9 +34,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specforge.families import REGISTRY, family_of_export
 from specforge.results import write_result
 
-RECIPE = "configs/smollm2-135m-eagle3.yaml"
+
+def recipe(family: str) -> str:
+    """The family's recipe on the embedded default."""
+    return f"configs/smollm2-135m-{family}.yaml"
 
 
 def specforge(*arguments: str) -> None:
@@ -64,24 +71,19 @@ def run_arm(arm: list[str], args, first: bool) -> dict:
     name, family, arm_overrides = arm[0], arm[1], arm[2:]
     lookup_tokens = args.prompt_lookup if first else 0
     out = Path(args.output) / name
-    common = ["--config", RECIPE, f"output_dir={out}"]
+    common = ["--config", recipe(family), f"output_dir={out}"]
     if not (out / "checkpoints").is_dir():
         specforge(
             "train",
             *common,
             f"train.data_path={args.data}",
             f"train.max_minutes={args.minutes}",
-            f"draft.type={family}",
             *args.overrides,
             *arm_overrides,
         )
     export = out / "export"
     export_once(common, export)
-    steps = (
-        json.loads((export / "config.json").read_text())["dflash_config"]["block_size"] - 1
-        if family == "dflash"
-        else args.eagle_steps
-    )
+    steps = args.depth if family_of_export(export).capabilities.auto_depth else "auto"
     report = bench(
         Path(args.output) / f"bench_{name}",
         *common,
@@ -101,7 +103,7 @@ def run_arm(arm: list[str], args, first: bool) -> dict:
         "overrides": arm_overrides,
         "steps": trained[-1]["step"],
         "held_out_tau_pred": round(evals[-1]["tau_pred"], 3),
-        "bench_num_steps": steps,
+        "bench_num_steps": report["settings"]["num_steps"],
         "tau": round(report["tau"], 3),
         "speedup": round(report["speedup"], 3),
         "speedup_prompt_lookup": report["speedup_prompt_lookup"],
@@ -126,11 +128,13 @@ def main() -> None:
     parser.add_argument("--questions", required=True)
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--eagle-steps", type=int, default=5)
+    parser.add_argument(
+        "--depth", type=int, default=5, help="the chain of the families that draft step by step"
+    )
     parser.add_argument(
         "--prompt-lookup", type=int, default=0, help="prompt lookup's tokens a round (0: off)"
     )
-    parser.add_argument("--families", nargs="+", default=["eagle3", "dflash"])
+    parser.add_argument("--families", nargs="+", default=list(REGISTRY), choices=list(REGISTRY))
     parser.add_argument(
         "--arm",
         nargs="+",
@@ -155,7 +159,7 @@ def main() -> None:
         summary=(
             f"Drafts ({', '.join(' '.join(arm) for arm in arms)}) trained {args.minutes:g} "
             "minutes each on "
-            f"{args.data} with the quickstart recipe, benched on {questions} "
+            f"{args.data} with each family's recipe, benched on {questions} "
             f"({args.max_new_tokens} tokens, greedy, float32 target, the engine's path as "
             "engine.compile auto chose it)."
         ),

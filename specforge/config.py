@@ -674,18 +674,19 @@ class ExportConfig:
     verify_engine: Literal["none", "vllm"] = "none"
     """``vllm``: after writing, serve the export with vLLM (a running server at ``bench.url``,
     or servers launched with ``bench.vllm_python``) on the first ``verify_questions`` questions
-    of ``bench.questions`` at ``bench.num_steps`` tokens a round (under ``auto``: 5, or a DFlash
-    draft's block less one), run the built-in runtime on the same turns, and gate vLLM's accept
-    length against it (``bench.agreement_margin``) and check the export's contract (d2t, aux
-    layers, norms, RoPE, vocabulary, dtype). The outcome goes to ``specforge-export.json`` as
-    ``engine_check``, the reports to ``<output_dir>/engine_check/``; a failed gate (a gap past
-    the margin, or a failed check) exits non-zero, the export kept."""
+    of ``bench.questions`` at ``bench.num_steps`` tokens a round (under ``auto``: 5, or the
+    depth a family that has no ``auto`` drafts), run the built-in runtime on the same turns, and
+    gate vLLM's accept length against it (``bench.agreement_margin``) and check the export's
+    contract (d2t, aux layers, norms, RoPE, vocabulary, dtype). The outcome goes to
+    ``specforge-export.json`` as ``engine_check``, the reports to
+    ``<output_dir>/engine_check/``; a failed gate (a gap past the margin, or a failed check)
+    exits non-zero, the export kept."""
     verify_questions: int = 3
     """Questions (all their turns) the engine check asks."""
 
     def __post_init__(self):
         if self.verify_questions < 1:
-            raise ValueError(f"export.verify_questions must be >= 1, got {self.verify_questions}")
+            raise ConfigError(f"export.verify_questions must be >= 1, got {self.verify_questions}")
 
 
 AUTO_MAX_DEPTH = 7
@@ -809,6 +810,14 @@ class BenchConfig:
         if not 0 <= self.auto_siblings <= AUTO_MAX_DEPTH:
             raise ConfigError(
                 f"bench.auto_siblings must be in 0..{AUTO_MAX_DEPTH}, got {self.auto_siblings}"
+            )
+        if not 0 <= self.agreement_margin < 1:
+            raise ConfigError(
+                f"bench.agreement_margin must be in [0, 1), got {self.agreement_margin}"
+            )
+        if not self.vllm_start_timeout_s > 0:
+            raise ConfigError(
+                f"bench.vllm_start_timeout_s must be > 0, got {self.vllm_start_timeout_s}"
             )
 
 

@@ -115,6 +115,9 @@ def test_dotted_overrides_win_and_are_typed(tmp_path):
         ("regenerate.batch_size=most", "regenerate.batch_size must be an integer"),
         ("data.max_length", "override must look like section.key=value"),
         ("data=3", "data must be a mapping"),
+        ("export.verify_questions=0", "export.verify_questions must be >= 1, got 0"),
+        ("bench.agreement_margin=-1", "bench.agreement_margin must be in [0, 1), got -1"),
+        ("bench.vllm_start_timeout_s=-5", "bench.vllm_start_timeout_s must be > 0, got -5"),
     ],
 )
 def test_bad_overrides_name_the_key(override, message):

@@ -237,6 +237,10 @@ def _bench_sglang(cfg: SpecForgeConfig, questions: str) -> dict[str, Any]:
 
     if not cfg.bench.url:
         raise UserError("bench.engine sglang needs bench.url (the running server, --url)")
+    if (cfg.bench_draft / "config.json").is_file():
+        served = family_of_export(cfg.bench_draft)
+        if served.engines.sglang is None:
+            raise UserError(f"SGLang does not serve a {served.name} draft ({cfg.bench_draft})")
     return run_sglang_bench(
         cfg.bench.url,
         load_tokenizer(cfg.target),

@@ -106,12 +106,15 @@ def against_baseline(
 ) -> dict[str, Any]:
     """An engine's turns with the draft (``spec``) beside the same turns without it (``base``,
     or ``None``), one row per turn with its ``tokens`` and ``seconds``: tokens/s both ways, the
-    speedup, and whether each turn gave the same ``output`` (token ids, or text)."""
+    speedup, and whether each turn gave the same ``output`` (token ids, or text); a turn that
+    only one side answered counts as a mismatch."""
 
     def speed(rows):
         return sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)
 
     matches = [s[output] == b[output] for s, b in zip(spec, base or [], strict=False)]
+    if base is not None and len(base) != len(spec):  # a turn one side lacks is a mismatch
+        matches += [False] * abs(len(spec) - len(base))
     return {
         "tokens_per_s": {"speculative": speed(spec), "baseline": speed(base) if base else None},
         "speedup": speed(spec) / speed(base) if base else None,

@@ -182,3 +182,31 @@ def test_specforge_bench_serves_a_dflash_export(tmp_path, tiny_target_dir):
     assert result["all_match"] is True and result["turns"] == 2
     assert result["settings"]["draft_family"] == "dflash"
     assert result["sglang_advice"] is None  # EAGLE-3 launch flags would not fit it
+
+
+def test_a_scaled_logit_target_gives_the_block_draft_its_own_logits(tmp_path):
+    """A Granite target divides its logits by ``logits_scaling``: the served block draft's
+    head (the target's, shared) carries the same scale, as its training's does, so its logits
+    are the target's own transformed ones, not ``logits_scaling`` times sharper."""
+    from transformers import AutoModelForCausalLM
+
+    from specforge.families.dflash.model import DFlashConfig, build_dflash_model
+    from specforge.models.adapter import logit_transform
+    from tests.architectures import tiny_config
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(tiny_config("granite", VOCAB, VOCAB - 2)).eval()
+    scale = logit_transform(target.config).scale
+    assert scale == 0.25
+    config = DFlashConfig.from_target(target.config, mask_token_id=VOCAB - 1, block_size=4)
+    draft = build_dflash_model(
+        config,
+        target_embedding=target.get_input_embeddings().weight.detach(),
+        target_lm_head=target.get_output_embeddings().weight.detach() * scale,
+        seed=0,
+    )
+    out = write_dflash_export(tmp_path / "export", model=draft, target_config=target.config)
+    served = DFLASH.load_export(out, target=target, dtype="float32")
+    hidden = torch.randn(3, config.hidden_size)
+    expected = logit_transform(target.config)(target.get_output_embeddings()(hidden))
+    torch.testing.assert_close(served.lm_head(hidden), expected)

@@ -195,3 +195,14 @@ def test_a_divergence_names_its_position_and_the_targets_top_two_margin(tiny_tar
     assert found["tie"] == (found["margin"] < TIE_MARGIN)
     shorter = divergence(model, ids, reference, [13])  # stopped early: leaves at its end
     assert (shorter["position"], shorter["token"]) == (1, None)
+
+
+def test_a_turn_only_one_side_answered_is_a_mismatch():
+    """Against the baseline, a missing turn is not skipped: ``all_match`` is False and the
+    match rate counts it."""
+    from specforge.serving.stats import against_baseline
+
+    spec = [{"tokens": 4, "seconds": 1.0, "token_ids": [1, 2]} for _ in range(3)]
+    report = against_baseline(spec, spec[:2], "token_ids")
+    assert report["all_match"] is False and report["match_rate"] == 2 / 3
+    assert against_baseline(spec, spec, "token_ids")["all_match"] is True

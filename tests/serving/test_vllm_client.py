@@ -255,7 +255,8 @@ def vllm_python() -> str:
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_vllm_itself_serves_an_export_and_passes_the_gate(tmp_path, vllm_python):
+@pytest.mark.parametrize("draft_type", ["eagle3", "peagle"])
+def test_vllm_itself_serves_an_export_and_passes_the_gate(tmp_path, vllm_python, draft_type):
     """A tiny draft trained, exported and served by the pinned vLLM with and without it: vLLM
     counted drafts, its outputs with the draft equal those without, and its accept length and
     acceptance per position agree with the built-in runtime's on the same turns (the gate).
@@ -263,12 +264,16 @@ def test_vllm_itself_serves_an_export_and_passes_the_gate(tmp_path, vllm_python)
     layers, so the default aux layers [1, 3, 4] are distinct: vLLM collects each layer once, and
     a 4-layer target's [1, 1, 0] would give its ``fc`` two states instead of three. A draft
     trained for seconds accepts little, so the accept lengths compared here are near 1; at scale
-    the comparison is ``benchmarks/vllm_agreement.py`` (docs/results/vllm_agreement_cpu.json)."""
+    the comparison is ``benchmarks/vllm_agreement.py`` (docs/results/vllm_agreement_cpu.json).
+    A P-EAGLE export is served by vLLM's EAGLE-3 proposer with parallel drafting on (a chain of
+    3 in one forward, its ``mask_hidden`` loaded)."""
     from specforge.recipes.train import train
     from tests.helpers import tiny_train_config, write_peaked_target
 
     folder, data = write_peaked_target(tmp_path, hidden=256, num_layers=8)
-    run = train(tiny_train_config(folder, data, tmp_path / "run", "train.max_steps=3"))
+    family = f"draft.type={draft_type}"
+    steps = "train.max_steps=3" if draft_type == "eagle3" else "train.max_steps=80"
+    run = train(tiny_train_config(folder, data, tmp_path / "run", steps, family))
     export = tmp_path / "export"
     assert main(["export", str(run.checkpoint), str(export), "--dtype", "float32"]) == 0
     questions = str(write_questions(tmp_path))
