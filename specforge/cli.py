@@ -15,7 +15,10 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
+import textwrap
+import time
 import types
 import typing
 from collections.abc import Callable
@@ -26,6 +29,7 @@ from specforge.config import DEFAULT_RECIPE, SpecForgeConfig, field_docs, load_c
 from specforge.errors import UserError
 from specforge.families import REGISTRY
 from specforge.recipes.quickstart import QUICKSTART_OVERRIDES
+from specforge.upstream import help_table, translate
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,12 @@ def _run_capture(args: argparse.Namespace, cfg: SpecForgeConfig) -> int:
 def _run_train(args: argparse.Namespace, cfg: SpecForgeConfig) -> int:
     from specforge.recipes.train import train
 
+    upstream = getattr(args, "upstream", None)
+    if upstream is not None:
+        for note in upstream.notes:
+            logging.getLogger("specforge.upstream").info(note)
+        if upstream.prepare_from:
+            cfg = _prepared_upstream_data(cfg, upstream.prepare_from)
     result = train(cfg)
     if result.checkpoint is not None:
         print(f"\ncheckpoint: {result.checkpoint}")
@@ -208,6 +218,33 @@ def _run_train(args: argparse.Namespace, cfg: SpecForgeConfig) -> int:
             shown = {k: round(v, 4) for k, v in metrics.items() if not k.startswith("cond")}
             print(f"{split}: {shown}")
     return 0
+
+
+def _prepared_upstream_data(cfg: SpecForgeConfig, path: str) -> SpecForgeConfig:
+    """``cfg`` training on SpecForge's raw ``--train-data-path``, prepared (the target's chat
+    template, nothing regenerated) into ``<output_dir>/conversations.jsonl`` unless a run
+    already did; under torchrun rank 0 prepares while the others wait for the file (a failure
+    on rank 0 ends them all)."""
+    from specforge.recipes.prepare import prepare
+
+    if cfg.train.data_path:
+        raise UserError(
+            f"--train-data-path {path} and train.data_path {cfg.train.data_path} both name "
+            "the training data: give one"
+        )
+    cfg = dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, inputs=[path]),
+        regenerate=dataclasses.replace(cfg.regenerate, enabled=False),
+        synthesize=dataclasses.replace(cfg.synthesize, count=0),
+    )
+    prepared = cfg.conversations_path
+    if not prepared.is_file():
+        if int(os.environ.get("RANK", "0")) == 0:
+            prepare(cfg)
+        while not prepared.is_file():
+            time.sleep(2)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, data_path=str(prepared)))
 
 
 def _run_export(args: argparse.Namespace, cfg: SpecForgeConfig) -> int:
@@ -311,7 +348,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, stage in STAGES.items():
         description = stage.help[0].upper() + stage.help[1:] + "."
-        p = sub.add_parser(name, help=stage.help, description=description)
+        # train lists the upstream flags it maps as a table (kept as written)
+        upstream = name == "train"
+        p = sub.add_parser(
+            name,
+            help=stage.help,
+            description=textwrap.fill(description, 100) if upstream else description,
+            epilog=help_table() if upstream else None,
+            formatter_class=(
+                argparse.RawDescriptionHelpFormatter if upstream else argparse.HelpFormatter
+            ),
+        )
         p.add_argument(
             "--config",
             default=stage.default_config,
@@ -343,10 +390,28 @@ def is_override(word: str) -> bool:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse a ``specforge`` command line, the dotted overrides (:func:`is_override`) taken out
-    first wherever they stand."""
+    first wherever they stand; for ``train``, SpecForge's and speculators' launch flags
+    rewritten first (:func:`specforge.upstream.translate`).
+
+    Raises:
+        UserError: a word no parser knows, or an upstream flag refused (:func:`main` prints
+            it in one line naming the stage).
+    """
+    command = next((i for i, word in enumerate(argv) if word in STAGES), None)
+    upstream = None
+    if command is not None and argv[command] == "train":
+        upstream = translate(argv[command + 1 :])
+        argv = [*argv[: command + 1], *upstream.argv]
     overrides = [word for word in argv if is_override(word)]
-    args = build_parser().parse_args([word for word in argv if not is_override(word)])
+    parser = build_parser()
+    args, unknown = parser.parse_known_args([word for word in argv if not is_override(word)])
+    if unknown:
+        raise UserError(
+            f"unrecognized arguments: {' '.join(unknown)} (specforge {args.command} --help "
+            "lists its flags)"
+        )
     args.overrides = [*overrides, *args.overrides]
+    args.upstream = upstream
     return args
 
 
@@ -374,7 +439,13 @@ def stage_config(args: argparse.Namespace) -> SpecForgeConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse_args(argv)
+    except UserError as err:  # a flag no parser knows, or an upstream flag refused
+        command = next((word for word in argv if word in STAGES), "")
+        print(f"specforge {command}: error: {err}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -548,6 +548,13 @@ class TrainConfig:
     warmup_steps: int = 50
     """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at ``max_steps`` (or at
     ``max_minutes``, whichever comes first)."""
+    warmup_ratio: float | None = None
+    """The warmup as a share of the run's steps (SpecForge's ``--warmup-ratio``), set when the
+    steps are known; ``null``: ``warmup_steps``."""
+    epochs: float | None = None
+    """Passes over the training data (SpecForge's ``--num-epochs``): ``max_steps`` becomes
+    this many times the optimizer steps of one pass, once the data is read; ``null``:
+    ``max_steps``."""
     min_lr_ratio: float = 0.1
     """The learning rate at ``max_steps``, as a fraction of ``lr``."""
     max_grad_norm: float = 0.5
@@ -625,6 +632,12 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if not self.state_cache_gb >= 0:
             raise ConfigError(f"train.state_cache_gb must be >= 0, got {self.state_cache_gb}")
+        if self.epochs is not None and not self.epochs > 0:
+            raise ConfigError(f"train.epochs must be > 0 or null, got {self.epochs}")
+        if self.warmup_ratio is not None and not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(
+                f"train.warmup_ratio must be in [0, 1) or null, got {self.warmup_ratio}"
+            )
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ConfigError(f"train.max_minutes must be > 0 or null, got {self.max_minutes}")
         if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < 1:

@@ -1,9 +1,10 @@
-"""The two generated documentation pages: ``docs/configuration.md`` from the config fields'
-docstrings (with each field's type, default and command-line flags), and ``docs/results.md`` from
-``docs/results/*.json`` (:func:`specforge.results.render_results_page`).
+"""The generated documentation pages: ``docs/configuration.md`` from the config fields'
+docstrings (with each field's type, default and command-line flags), ``docs/results.md`` from
+``docs/results/*.json`` (:func:`specforge.results.render_results_page`), and
+``docs/switching.md`` from the upstream flag table (:data:`specforge.upstream.UPSTREAM_FLAGS`).
 
-    python -m specforge.docgen            # rewrite both pages
-    python -m specforge.docgen --check    # exit 1, naming the page, when either is stale
+    python -m specforge.docgen            # rewrite the pages
+    python -m specforge.docgen --check    # exit 1, naming the page, when one is stale
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from specforge.cli import flag_table
 from specforge.config import SpecForgeConfig, field_docs
 from specforge.io import write_text_atomic
 from specforge.results import render_results_page
+from specforge.upstream import UPSTREAM_FLAGS, describe
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 """The checkout's ``docs/`` folder."""
@@ -109,11 +111,57 @@ def _field_lines(holder: type, prefix: str, flags: dict, only: str | None = None
     return lines
 
 
+SWITCHING_INTRO = """# Coming from SpecForge or speculators
+
+`specforge train` (and `torchrun scripts/train_eagle3.py`) take the training launch flags of
+SpecForge's `scripts/train_eagle3.py` (and `train_eagle3_online.py` / `_offline.py`) and of
+speculators' `scripts/train.py` as they are, so a launch command runs unchanged:
+
+```bash
+torchrun --nproc_per_node=1 scripts/train_eagle3.py \\
+    --target-model-path HuggingFaceTB/SmolLM2-135M-Instruct --train-data-path sharegpt.jsonl \\
+    --output-dir outputs/switched --num-epochs 1 --batch-size 1 --learning-rate 1e-4 \\
+    --max-length 2048 --chat-template llama3 --cache-dir ./cache
+```
+
+Each flag becomes the config key it means (the table); a flag without an effect here is accepted
+and its note printed when the run starts; a flag with no equivalent is refused in one line that
+names it and what to use instead; a flag neither tool nor this project has is refused by name.
+Flags with the same name and meaning here (`--output-dir`, `--batch-size`, `--ttt-length`,
+`--seed`, `--resume`, `--max-grad-norm`, `--lr`, `--block-size`, `--mask-token-id`,
+`--eval-data-path` (a prepared file), `--num-workers`) are this project's own.
+
+Where the tools differ, what the mapping chooses: SpecForge's `--train-data-path` is a raw
+conversations file, prepared here once (the target's own chat template, nothing regenerated)
+into `<output_dir>/conversations.jsonl` before training; `--num-epochs` sets `train.epochs`
+(passes over the data, turned into `train.max_steps` when the data is read), and a step count
+(`--max-num-steps`) wins over it, as in SpecForge; a `--draft-model-config` file gives the draft
+vocabulary (its geometry follows the target here); `--chat-template` names are not needed (the
+target tokenizer's template is what the engines apply). Then `specforge export` writes the
+directory SGLang and vLLM serve ([export](export-and-serving.md)).
+
+This page is generated from `specforge/upstream.py` (`python -m specforge.docgen`).
+
+| flag | tool | here |
+|---|---|---|
+"""
+
+
+def render_switching_page() -> str:
+    """docs/switching.md: the upstream flag table."""
+    rows = [
+        f"| `{entry.flag}` | {entry.tool} | {describe(entry).replace('|', '/')} |"
+        for entry in UPSTREAM_FLAGS
+    ]
+    return SWITCHING_INTRO + "\n".join(rows) + "\n"
+
+
 def pages(docs: Path = DOCS) -> dict[Path, str]:
     """Each generated page and what it should hold."""
     return {
         docs / "configuration.md": render_configuration_page(),
         docs / "results.md": render_results_page(docs / "results"),
+        docs / "switching.md": render_switching_page(),
     }
 
 

@@ -90,13 +90,15 @@ def make_tiny_llama(
     return model
 
 
-def tiny_draft(seed: int = 0, randomize_norms: bool = True, **switches):
+def tiny_draft(seed: int = 0, randomize_norms: bool = True, *, model_class=None, **switches):
     """A tiny target and a draft built from it (``switches``: EAGLE 3.1's ``fc_norm`` /
-    ``norm_output``)."""
+    ``norm_output``, or the config values of ``model_class``, a family's draft that extends
+    EAGLE-3)."""
     target = make_tiny_llama(96, num_layers=4, seed=seed).float()
     with torch.no_grad():
         target.model.norm.weight.uniform_(0.5, 1.5)
-    config = Eagle3Config.from_target(target.config, draft_vocab_size=32, **switches)
+    config_class = model_class.config_class if model_class else Eagle3Config
+    config = config_class.from_target(target.config, draft_vocab_size=32, **switches)
     counts = torch.arange(96).flip(0)  # token 0 most frequent
     vocab = build_vocab_map(counts, 32, always_include=[95])
     draft = build_draft_model(
@@ -107,6 +109,7 @@ def tiny_draft(seed: int = 0, randomize_norms: bool = True, **switches):
         t2d=vocab.t2d,
         target_norm=target.model.norm.weight,
         seed=seed,
+        model_class=model_class,
     )
     if not randomize_norms:
         return target, draft
@@ -327,3 +330,17 @@ def write_peaked_target(tmp_path, hidden: int = 64, num_layers: int = 4):
             ]
             f.write(json.dumps({"id": f"c{i}", "messages": messages}) + "\n")
     return folder, data
+
+
+def bench_tiny_export(tmp_path, target_folder, export, *options: str) -> dict:
+    """``specforge bench`` of ``export`` on one tiny question (24 tokens, ``options`` added);
+    returns its bench.json."""
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["count 3"]}))
+    out = tmp_path / "bench"
+    arguments = ["--target", str(target_folder), "--draft", str(export)]
+    arguments += ["--questions", str(questions), "--max-new-tokens", "24", "--output", str(out)]
+    from specforge.cli import main
+
+    assert main(["bench", *arguments, *options]) == 0
+    return json.loads((out / "bench.json").read_text())

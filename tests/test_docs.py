@@ -206,7 +206,7 @@ def test_every_documented_command_parses(where, command, monkeypatch):
 )
 def test_the_command_check_rejects_unknown_flags_and_keys(command, monkeypatch):
     monkeypatch.chdir(REPO)
-    with pytest.raises((SystemExit, ConfigError)):
+    with pytest.raises((SystemExit, UserError)):  # ConfigError is a UserError
         check_command(command)
 
 

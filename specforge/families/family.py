@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specforge.errors import UserError
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -31,6 +33,14 @@ class Capabilities:
     default_depth: Callable[[Any], int | None]
     """The depth the bench and the engine check use where ``num_steps`` is ``auto`` and the
     family has no ``auto`` (``None``: the family has ``auto``)."""
+
+    @classmethod
+    def one_forward(cls, depth: Callable[[Any], int]) -> Capabilities:
+        """A family that drafts a round's chain in one forward: at most ``depth(config)``
+        tokens (its depth under ``auto`` too), no ``auto``, no trees, no draft graphs."""
+        return cls(
+            auto_depth=False, trees=False, graphs=False, max_depth=depth, default_depth=depth
+        )
 
 
 @dataclass(frozen=True)
@@ -100,3 +110,17 @@ class DraftFamily:
     engines: EngineMethods
     extends: str | None = None
     """The family whose export layout this one's extends (its exports are recognised first)."""
+
+
+def check_one_forward(what: str, deepest: int, *, num_steps: int, topk: int, auto: bool) -> None:
+    """Refuse drafting settings a one-forward proposer cannot run (:meth:`Capabilities.
+    one_forward`): ``what`` says what the draft proposes a round.
+
+    Raises:
+        UserError: ``auto``, a tree, or a chain deeper than ``deepest``.
+    """
+    if auto or topk != 1 or num_steps > deepest:
+        depth = "auto" if auto else num_steps
+        raise UserError(
+            f"{what}: num_steps 1..{deepest} and topk 1 (got num_steps {depth}, topk {topk})"
+        )

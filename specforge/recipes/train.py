@@ -18,9 +18,11 @@ log, eval, checkpoint), once for the supervised steps and once more for the on-p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import logging
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -159,6 +161,22 @@ class TrainingRun:
         self.ranks.close()
 
 
+def with_steps_known(cfg: SpecForgeConfig, steps_per_epoch: int) -> SpecForgeConfig:
+    """``cfg`` with ``train.epochs`` and ``train.warmup_ratio`` turned into steps, now that one
+    pass's optimizer steps are known (logged; the checkpoints record the steps)."""
+    tc = cfg.train
+    steps, warmup = tc.max_steps, tc.warmup_steps
+    if tc.epochs is not None:
+        steps = max(1, math.ceil(tc.epochs * steps_per_epoch))
+        logger.info("train.epochs %g: %d steps (%d a pass)", tc.epochs, steps, steps_per_epoch)
+    if tc.warmup_ratio is not None:
+        warmup = round(tc.warmup_ratio * steps)
+        logger.info("train.warmup_ratio %g: %d warmup steps", tc.warmup_ratio, warmup)
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(tc, max_steps=steps, warmup_steps=warmup)
+    )
+
+
 def split_samples(cfg: SpecForgeConfig, source: HiddenStateSource):
     """The training samples, the held-out ones, and ``train.eval_data_path``'s (or none)."""
     train_samples, eval_samples = split_train_eval(source.samples, cfg.train.eval_fraction)
@@ -202,6 +220,7 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     batches = StepBatches.from_config(
         train_samples, tc, world_size=ranks.world_size, rank=ranks.rank, pad_id=source.pad_id
     )
+    cfg = with_steps_known(cfg, batches.steps_per_epoch)
     log = MetricsLog(cfg, ranks.is_main)
     log.start_at(resumed.step)
     return TrainingRun(
@@ -437,9 +456,8 @@ def train(cfg: SpecForgeConfig, *, stop_after_step: int | None = None) -> TrainR
     Returns:
         The last train and eval metrics and the last checkpoint.
     """
-    cfg = start_stage(cfg)
-    run = setup(cfg)
-    tc = cfg.train
+    run = setup(start_stage(cfg))
+    cfg, tc = run.cfg, run.cfg.train  # train.epochs and train.warmup_ratio now in steps
     stop = stop_after_step or tc.max_steps + tc.on_policy.steps
     try:
         result, done, finished = TrainResult(), run.start_step, True

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from specforge.cli import main
 from specforge.errors import UserError
 from specforge.recipes.train import train
-from tests.helpers import tiny_train_config
+from tests.helpers import bench_tiny_export, tiny_train_config
 
 DFLASH = ["draft.type=dflash", "draft.block_size=4", "draft.anchors=8", "train.eval_every=100"]
 
@@ -32,13 +32,7 @@ def test_a_dflash_draft_trains_exports_and_serves(tmp_path, peaked_target_dir):
     config = json.loads((export / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["dflash_config"]["target_layer_ids"] == state["aux_layer_ids"]
-    questions = tmp_path / "question.jsonl"
-    questions.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["count 3"]}))
-    bench = tmp_path / "bench"
-    arguments = ["--target", str(folder), "--draft", str(export), "--questions", str(questions)]
-    options = ["--num-steps", "3", "--max-new-tokens", "24", "--output", str(bench)]
-    assert main(["bench", *arguments, *options]) == 0
-    report = json.loads((bench / "bench.json").read_text())
+    report = bench_tiny_export(tmp_path, folder, export, "--num-steps", "3")
     assert report["all_match"] is True and report["settings"]["draft_family"] == "dflash"
 
 

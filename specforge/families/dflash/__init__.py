@@ -30,7 +30,12 @@ from specforge.families.dflash.model import (
 )
 from specforge.families.dflash.objective import BlockVocabulary, DFlashObjective, block_metrics
 from specforge.families.dflash.proposer import DFlashProposer
-from specforge.families.family import Capabilities, DraftFamily, EngineMethods
+from specforge.families.family import (
+    Capabilities,
+    DraftFamily,
+    EngineMethods,
+    check_one_forward,
+)
 from specforge.io import read_json
 from specforge.models.adapter import logit_transform
 from specforge.serving.export import contract_problems
@@ -133,18 +138,10 @@ def write_export(out_dir, *, model, target_config, aux_layer_ids, dtype, tokeniz
 
 
 def proposer(draft_model, *, num_steps, topk, auto, engine, draft_engine, temperature, top_p):
-    """A block a round: a chain of at most ``block_size - 1`` tokens at a fixed depth.
-
-    Raises:
-        UserError: ``auto``, a tree, or a deeper chain.
-    """
-    block = draft_model.config.block_size
-    if auto or topk != 1 or num_steps > block - 1:
-        depth = "auto" if auto else num_steps
-        raise UserError(
-            f"a DFlash draft proposes one block a round: num_steps 1..{block - 1} and "
-            f"topk 1 (got num_steps {depth}, topk {topk})"
-        )
+    """A block a round: a chain of at most ``block_size - 1`` tokens at a fixed depth."""
+    deepest = FAMILY.capabilities.max_depth(draft_model.config)
+    what = "a DFlash draft proposes one block a round"
+    check_one_forward(what, deepest, num_steps=num_steps, topk=topk, auto=auto)
     return DFlashProposer(draft_model, temperature=temperature, top_p=top_p)
 
 
@@ -178,12 +175,6 @@ FAMILY = DraftFamily(
     aux_layer_ids=lambda export_dir, target: list(export_draft_config(export_dir).target_layer_ids),
     draft_config=export_draft_config,
     proposer=proposer,
-    capabilities=Capabilities(
-        auto_depth=False,
-        trees=False,
-        graphs=False,
-        max_depth=lambda config: config.block_size - 1,
-        default_depth=lambda config: config.block_size - 1,
-    ),
+    capabilities=Capabilities.one_forward(lambda config: config.block_size - 1),
     engines=EngineMethods(vllm={"method": "dflash"}, sglang="DFLASH"),
 )

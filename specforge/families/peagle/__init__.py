@@ -17,9 +17,8 @@ from functools import partial
 from pathlib import Path
 
 from specforge.data.vocab import mask_token_for
-from specforge.errors import UserError
 from specforge.families import eagle3
-from specforge.families.family import Capabilities, EngineMethods
+from specforge.families.family import Capabilities, EngineMethods, check_one_forward
 from specforge.families.peagle.model import PEagleConfig, PEagleDraftModel
 from specforge.families.peagle.proposer import PEagleProposer
 from specforge.io import read_json
@@ -92,18 +91,11 @@ def export_checks(export_dir: Path, exported: dict, tensors: dict, target_config
 
 
 def proposer(draft_model, *, num_steps, topk, auto, engine, draft_engine, temperature, top_p):
-    """A chain in one forward, at most ``parallel_draft_tokens`` deep, at a fixed depth.
-
-    Raises:
-        UserError: ``auto``, a tree, or a deeper chain than trained.
-    """
-    deepest = draft_model.config.parallel_draft_tokens
-    if auto or topk != 1 or num_steps > deepest:
-        depth = "auto" if auto else num_steps
-        raise UserError(
-            f"a P-EAGLE draft proposes a chain in one forward: num_steps 1..{deepest} (the "
-            f"depth it was trained to) and topk 1 (got num_steps {depth}, topk {topk})"
-        )
+    """A chain in one forward, at most ``parallel_draft_tokens`` deep (the depth it was
+    trained to), at a fixed depth."""
+    deepest = FAMILY.capabilities.max_depth(draft_model.config)
+    what = "a P-EAGLE draft proposes a chain in one forward, as deep as it was trained to"
+    check_one_forward(what, deepest, num_steps=num_steps, topk=topk, auto=auto)
     return PEagleProposer(draft_model, depth=num_steps, temperature=temperature, top_p=top_p)
 
 
@@ -129,13 +121,7 @@ FAMILY = dataclasses.replace(
     export_checks=export_checks,
     draft_config=export_draft_config,
     proposer=proposer,
-    capabilities=Capabilities(
-        auto_depth=False,
-        trees=False,
-        graphs=False,
-        max_depth=lambda config: config.parallel_draft_tokens,
-        default_depth=lambda config: config.parallel_draft_tokens,
-    ),
+    capabilities=Capabilities.one_forward(lambda config: config.parallel_draft_tokens),
     engines=EngineMethods(vllm={"method": "eagle3", "parallel_drafting": True}, sglang=None),
     extends="eagle3",
 )
