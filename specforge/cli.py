@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import textwrap
 import time
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from specforge.config import DEFAULT_RECIPE, SpecForgeConfig, field_docs, load_config
-from specforge.errors import UserError
+from specforge.errors import Interrupted, UserError
 from specforge.families import REGISTRY
 from specforge.recipes.quickstart import QUICKSTART_OVERRIDES
 from specforge.upstream import help_table, translate
@@ -388,6 +389,38 @@ def is_override(word: str) -> bool:
     return key == "output_dir" or ("." in key and section in _SECTIONS)
 
 
+PASSTHROUGH_FLAGS = {"--vllm-args": "bench.vllm_args"}
+"""List flags whose words are another program's flags: each takes every word after it, leading
+dashes and all, up to the next flag of the stage's own or a dotted override
+(``--vllm-args --no-enforce-eager --max-num-seqs 1 --limit 3``: the first three are vLLM's)."""
+
+
+def _take_passthrough(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list, dict]:
+    """``argv`` without the :data:`PASSTHROUGH_FLAGS` and their words, and ``{dotted key:
+    words}`` for each given (``--vllm-args=--flag`` takes that one word and the ones after)."""
+    command = next((word for word in argv if word in STAGES), None)
+    if command is None:
+        return argv, {}
+    stages = parser._subparsers._group_actions[0].choices  # argparse keeps subparsers here
+    own = set(stages[command]._option_string_actions) - set(PASSTHROUGH_FLAGS)
+    kept: list[str] = []
+    taken: dict[str, list[str]] = {}
+    words = iter(argv)
+    for word in words:
+        flag, sep, first = word.partition("=")
+        if flag not in PASSTHROUGH_FLAGS:
+            kept.append(word)
+            continue
+        values = taken.setdefault(PASSTHROUGH_FLAGS[flag], [])
+        values += [first] if sep else []
+        for word in words:
+            if word.partition("=")[0] in own or is_override(word):
+                kept.append(word)
+                break
+            values.append(word)
+    return kept, taken
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse a ``specforge`` command line, the dotted overrides (:func:`is_override`) taken out
     first wherever they stand; for ``train``, SpecForge's and speculators' launch flags
@@ -402,9 +435,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if command is not None and argv[command] == "train":
         upstream = translate(argv[command + 1 :])
         argv = [*argv[: command + 1], *upstream.argv]
-    overrides = [word for word in argv if is_override(word)]
     parser = build_parser()
+    argv, passed = _take_passthrough(argv, parser)
+    overrides = [word for word in argv if is_override(word)]
     args, unknown = parser.parse_known_args([word for word in argv if not is_override(word)])
+    for dotted, words in passed.items():
+        if not words:
+            raise UserError(f"{dotted} needs at least one word after its flag")
+        setattr(args, FLAG_DEST + dotted, words)
     if unknown:
         raise UserError(
             f"unrecognized arguments: {' '.join(unknown)} (specforge {args.command} --help "
@@ -458,6 +496,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"specforge {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except Interrupted as err:
+        print(f"specforge {args.command}: {err}", file=sys.stderr)
+        return 128 + err.signum
+    except KeyboardInterrupt:
+        if args.verbose:
+            raise
+        print(f"specforge {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -485,6 +485,14 @@ class OnPolicyConfig:
             )
         if self.lr is not None and not self.lr > 0:
             raise ConfigError(f"train.on_policy.lr must be > 0 or null, got {self.lr}")
+        if self.steps == 0:
+            for spec in dataclasses.fields(self):
+                value = getattr(self, spec.name)
+                if spec.name != "steps" and value != spec.default:
+                    raise ConfigError(
+                        f"train.on_policy.{spec.name}={value!r} does nothing while "
+                        "train.on_policy.steps is 0 (no on-policy phase): set steps, or remove it"
+                    )
 
 
 @dataclass
@@ -711,6 +719,16 @@ AUTO_MAX_LOOKUP = 16
 draft's chains: lookup's proposals cost no draft step)."""
 
 
+ENGINE_OPTIONS = {
+    "url": ("sglang", "vllm"),
+    "baseline_url": ("sglang", "vllm"),
+    "vllm_python": ("vllm",),
+    "vllm_args": ("vllm",),
+    "agree_with": ("vllm",),
+}
+"""The ``bench`` options only an engine reads, and the engines that read them."""
+
+
 @dataclass
 class BenchConfig:
     """``specforge bench``: accept length and speedup of an exported draft vs the target."""
@@ -733,7 +751,8 @@ class BenchConfig:
     with the draft and without, on loopback, and stops each when its half ends."""
     vllm_args: list[str] = field(default_factory=list)
     """Extra flags for the launched vLLM servers (after ``--dtype float32 --max-model-len 4096
-    --enforce-eager --seed 0``)."""
+    --enforce-eager --seed 0``). On the command line ``--vllm-args`` takes every word after it,
+    dashes and all, up to the next specforge flag: ``--vllm-args --no-enforce-eager``."""
     vllm_start_timeout_s: float = 900.0
     """How long a launched vLLM server may take to answer ``/health``."""
     agree_with: str | None = None
@@ -832,6 +851,23 @@ class BenchConfig:
             raise ConfigError(
                 f"bench.vllm_start_timeout_s must be > 0, got {self.vllm_start_timeout_s}"
             )
+
+    def check_engine_options(self) -> None:
+        """Refuse an option the chosen ``engine`` does not read (a ``url`` with the built-in
+        runtime, ``vllm_args`` with SGLang): the bench would run without it. Checked when a
+        bench starts, not at load: ``export.verify_engine`` reads them under ``engine:
+        builtin``.
+
+        Raises:
+            ConfigError: naming the option and the engines that read it.
+        """
+        for name, engines in ENGINE_OPTIONS.items():
+            value = getattr(self, name)
+            if value and self.engine not in engines:
+                raise ConfigError(
+                    f"bench.{name}={value!r} does nothing with bench.engine {self.engine} (read "
+                    f"by engine {' or '.join(engines)}): remove it, or set bench.engine"
+                )
 
 
 @dataclass

@@ -165,3 +165,76 @@ def test_two_fields_with_one_flag_name_are_an_error():
     with pytest.raises(ValueError, match="--temperature would set both regenerate.temperature"):
         add_config_arguments(parser, stage, {})
     add_config_arguments(argparse.ArgumentParser(), stage, FLAG_NAMES)
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    """``specforge`` on ``argv``: exit 2 and one line on stderr, no traceback; returns it."""
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+MISSING_TARGET = "target.name_or_path=/nonexistent/target"
+"""A target that cannot load: an error about the other input shows it was checked first."""
+
+
+def test_a_vllm_python_that_cannot_run_is_refused_naming_it(tmp_path, capsys):
+    for python in (tmp_path / "nope" / "python", tmp_path):
+        argv = ["bench", "--engine", "vllm", "--num-steps", "3", "--vllm-python", str(python)]
+        err = _one_line_error(capsys, [*argv, MISSING_TARGET])
+        assert f"bench.vllm_python {python} is" in err
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_anything_loads(tmp_path, capsys):
+    path = tmp_path / "a-file"
+    path.write_text("mine\n")
+    err = _one_line_error(capsys, ["train", "--output-dir", str(path), MISSING_TARGET])
+    assert f"output_dir {path} is a file" in err
+    assert path.read_text() == "mine\n"
+
+
+def test_an_engine_check_without_vllm_is_refused_before_exporting(tmp_path, capsys):
+    out = tmp_path / "export"
+    argv = ["export", str(tmp_path / "checkpoint"), str(out), "--verify-engine", "vllm"]
+    err = _one_line_error(capsys, argv)
+    assert "bench.url" in err and "bench.vllm_python" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "key"),
+    [
+        (["--url", "http://127.0.0.1:1"], "bench.url='http://127.0.0.1:1'"),
+        (["--vllm-args", "--no-enforce-eager"], "bench.vllm_args=['--no-enforce-eager']"),
+        (["--engine", "sglang", "--url", "http://x", "--vllm-args", "--a"], "bench.vllm_args="),
+    ],
+)
+def test_an_engine_option_the_engine_does_not_read_is_refused(flags, key, capsys):
+    err = _one_line_error(capsys, ["bench", *flags, MISSING_TARGET])
+    assert key in err and "does nothing with bench.engine" in err
+
+
+def test_vllm_args_take_the_words_after_them_dashes_and_all():
+    args = parse_args(
+        ["bench", "--engine", "vllm", "--vllm-args", "--no-enforce-eager", "--max-num-seqs", "1"]
+        + ["--limit", "3", "bench.num_steps=4"]
+    )
+    cfg = stage_config(args)
+    assert cfg.bench.vllm_args == ["--no-enforce-eager", "--max-num-seqs", "1"]
+    assert (cfg.bench.limit, cfg.bench.num_steps) == (3, 4)
+    cfg = stage_config(parse_args(["bench", "--vllm-args=--no-enforce-eager", "--limit", "2"]))
+    assert cfg.bench.vllm_args == ["--no-enforce-eager"] and cfg.bench.limit == 2
+    help_text = build_parser()._subparsers._group_actions[0].choices["bench"].format_help()
+    assert "--vllm-args --no-enforce-eager" in " ".join(help_text.split())
+
+
+def test_a_prompt_past_the_targets_context_is_refused_before_decoding(
+    tmp_path, tiny_target_dir, capsys
+):
+    questions = tmp_path / "long.jsonl"
+    long = " ".join(["word"] * 3000)
+    questions.write_text(json.dumps({"question_id": 7, "category": "x", "turns": [long]}) + "\n")
+    argv = ["bench", "--target", str(tiny_target_dir), "--questions", str(questions)]
+    err = _one_line_error(capsys, [*argv, "--draft", str(tmp_path / "no-export")])
+    assert "question '7' is" in err and "past the target's context of 2048 tokens" in err

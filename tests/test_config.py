@@ -118,6 +118,9 @@ def test_dotted_overrides_win_and_are_typed(tmp_path):
         ("export.verify_questions=0", "export.verify_questions must be >= 1, got 0"),
         ("bench.agreement_margin=-1", "bench.agreement_margin must be in [0, 1), got -1"),
         ("bench.vllm_start_timeout_s=-5", "bench.vllm_start_timeout_s must be > 0, got -5"),
+        ("train.on_policy.depth=3", "train.on_policy.depth=3 does nothing while"),
+        ("train.on_policy.max_minutes=5", "train.on_policy.max_minutes=5.0 does nothing while"),
+        ("train.on_policy.replay=false", "train.on_policy.replay=False does nothing while"),
     ],
 )
 def test_bad_overrides_name_the_key(override, message):

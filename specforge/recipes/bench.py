@@ -24,7 +24,8 @@ from specforge.data.questions import ask_turns, load_questions, resolve_question
 from specforge.engine.target import EnginePath, build_engine
 from specforge.errors import UserError
 from specforge.families import drafting_depth, family_of_export
-from specforge.models.target import load_target, load_tokenizer
+from specforge.models.adapter import text_config
+from specforge.models.target import load_target, load_target_config, load_tokenizer
 from specforge.recipes.stage import start_stage
 from specforge.serving.adaptive import ConfidenceCalibration
 from specforge.serving.bench import BenchTally, MethodComparison, bench_report, write_report
@@ -120,6 +121,25 @@ def build_comparison(cfg: SpecForgeConfig, turns: int) -> tuple[MethodComparison
     return comparison, tokenizer, path
 
 
+def checked_inputs(cfg: SpecForgeConfig, questions_source: str):
+    """What the built-in bench runs on, checked before any model loads: the questions (none
+    past the target's context) and the export, at the depth its family drafts
+    (:func:`specforge.families.drafting_depth`); returns ``cfg`` with that depth and the
+    questions.
+
+    Raises:
+        UserError: a question past the context, no export, or a depth the family cannot draft.
+    """
+    bc = cfg.bench
+    questions = load_questions(questions_source, limit=bc.limit)
+    context = getattr(text_config(load_target_config(cfg.target)), "max_position_embeddings", None)
+    check_context(questions, load_tokenizer(cfg.target), bc, context)
+    if not (cfg.bench_draft / "config.json").is_file():
+        raise UserError(f"{cfg.bench_draft} is not an export directory: run specforge export")
+    steps = drafting_depth(cfg.bench_draft, bc.num_steps, bc.topk)
+    return dataclasses.replace(cfg, bench=dataclasses.replace(bc, num_steps=steps)), questions
+
+
 def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
     """Run the benchmark ``cfg.bench`` describes; writes ``bench.json``, ``bench.md`` and
     ``bench.png`` to ``cfg.bench_dir`` and returns what ``bench.json`` holds.
@@ -129,6 +149,7 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
     """
     cfg = start_stage(cfg)
     bc = cfg.bench
+    bc.check_engine_options()
     questions_source = resolve_question_set(bc.questions)
     if bc.engine == "sglang":
         return _bench_sglang(cfg, questions_source)
@@ -136,12 +157,8 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
         from specforge.recipes.bench_vllm import bench_vllm
 
         return bench_vllm(cfg, questions_source)
-    if not (cfg.bench_draft / "config.json").is_file():
-        raise UserError(f"{cfg.bench_draft} is not an export directory: run specforge export")
-    steps = drafting_depth(cfg.bench_draft, bc.num_steps, bc.topk)
-    cfg = dataclasses.replace(cfg, bench=dataclasses.replace(bc, num_steps=steps))
+    cfg, questions = checked_inputs(cfg, questions_source)
     bc = cfg.bench
-    questions = load_questions(questions_source, limit=bc.limit)
     logger.info("benchmarking on %s (%d questions)", questions_source, len(questions))
     turns = sum(len(q.turns) for q in questions)
     comparison, tokenizer, path = build_comparison(cfg, turns)
@@ -207,21 +224,46 @@ SEQUENCE_SLACK = 16
 in the next turn's prompt need not split the same way."""
 
 
+def _prompt_tokens(question, tokenizer, bc) -> int:
+    """The tokens of a question's turns with empty answers in the chat template."""
+    messages = [] if bc.system_prompt is None else [{"role": "system", "content": bc.system_prompt}]
+    for text in question.turns:
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+    return len(prompt_ids(tokenizer, messages[:-1]))
+
+
 def longest_sequence(questions, tokenizer, bc) -> int:
     """A bound on the tokens of any sequence the bench runs: each question's turns with empty
     answers in the chat template, plus ``max_new_tokens`` (and :data:`SEQUENCE_SLACK`) a
     turn."""
-    longest = 0
+    return max(
+        (
+            _prompt_tokens(q, tokenizer, bc) + len(q.turns) * (bc.max_new_tokens + SEQUENCE_SLACK)
+            for q in questions
+        ),
+        default=0,
+    )
+
+
+def check_context(questions, tokenizer, bc, context: int | None) -> None:
+    """Refuse, before decoding, a question whose turns and answers (``max_new_tokens`` a turn)
+    would run past the target's context (``max_position_embeddings``; no limit when the
+    config has none): past it the target's outputs are not what it was trained to give.
+
+    Raises:
+        UserError: naming the question, its prompt's tokens and the context.
+    """
+    if not context:
+        return
     for question in questions:
-        messages = (
-            [] if bc.system_prompt is None else [{"role": "system", "content": bc.system_prompt}]
-        )
-        for text in question.turns:
-            messages += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
-        turns = len(question.turns)
-        tokens = len(prompt_ids(tokenizer, messages[:-1]))
-        longest = max(longest, tokens + turns * (bc.max_new_tokens + SEQUENCE_SLACK))
-    return longest
+        tokens = _prompt_tokens(question, tokenizer, bc)
+        if tokens + len(question.turns) * bc.max_new_tokens > context:
+            raise UserError(
+                f"question {question.id!r} is {tokens} tokens; with "
+                f"{len(question.turns)} answers of up to bench.max_new_tokens "
+                f"{bc.max_new_tokens} past the target's context of {context} tokens: drop it "
+                "from the set, or lower bench.max_new_tokens"
+            )
 
 
 def _by_bin(calibration: ConfidenceCalibration) -> list[float]:

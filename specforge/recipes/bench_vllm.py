@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
-from specforge.config import SpecForgeConfig
+from specforge.config import BenchConfig, SpecForgeConfig
 from specforge.data.questions import load_questions
 from specforge.errors import UserError
 from specforge.families import export_checks, family_of_export
@@ -49,6 +50,30 @@ def speculative_config(draft: Path, num_steps: int) -> dict[str, Any]:
     return {**found.engines.vllm, "model": str(draft), "num_speculative_tokens": num_steps}
 
 
+def check_vllm_source(bc: BenchConfig) -> None:
+    """Refuse, before anything loads, a vLLM bench or engine check with no server to ask:
+    neither ``bench.url`` nor ``bench.vllm_python``, or a ``vllm_python`` that is not an
+    executable file.
+
+    Raises:
+        UserError: naming the setting and the path.
+    """
+    if bc.url:
+        return
+    if not bc.vllm_python:
+        raise UserError(
+            "vLLM needs bench.url (a running server, --url) or bench.vllm_python "
+            "(the interpreter of an environment where vLLM is installed)"
+        )
+    path = Path(bc.vllm_python).expanduser()
+    if not path.is_file() or not os.access(path, os.X_OK):
+        kind = "a folder" if path.is_dir() else "not an executable file"
+        raise UserError(
+            f"bench.vllm_python {bc.vllm_python} is {kind}: give the Python interpreter of "
+            "the environment where vLLM is installed (e.g. ~/vllm-venv/bin/python)"
+        )
+
+
 def bench_vllm(cfg: SpecForgeConfig, questions_source: str) -> dict[str, Any]:
     """Serve ``cfg.bench_draft`` with vLLM and measure it; writes bench.json and bench.md.
 
@@ -57,6 +82,7 @@ def bench_vllm(cfg: SpecForgeConfig, questions_source: str) -> dict[str, Any]:
             server that does not start or answer (its log named).
     """
     bc = cfg.bench
+    check_vllm_source(bc)
     questions = load_questions(questions_source, limit=bc.limit)
     tokenizer = load_tokenizer(cfg.target)
     out = cfg.bench_dir
@@ -119,11 +145,6 @@ def _agreement(cfg: SpecForgeConfig, result: dict[str, Any]) -> dict[str, Any]:
 def _launched(cfg: SpecForgeConfig, settings: dict[str, Any], ask):
     """Launch vLLM with the draft, then without it, asking every turn of each."""
     bc = cfg.bench
-    if not bc.vllm_python:
-        raise UserError(
-            "bench.engine vllm needs bench.url (a running server, --url) or bench.vllm_python "
-            "(the interpreter of an environment where vLLM is installed)"
-        )
     if not (cfg.bench_draft / "config.json").is_file():
         raise UserError(f"{cfg.bench_draft} is not an export directory: run specforge export")
     target = resolve_target_path(cfg.target.name_or_path, target_dtype(cfg.target))

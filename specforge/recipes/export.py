@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from specforge.config import SpecForgeConfig, TargetConfig, from_dict
+from specforge.config import ENGINE_OPTIONS, BenchConfig, SpecForgeConfig, TargetConfig, from_dict
 from specforge.errors import UserError
 from specforge.families import (
     export_checks,
@@ -23,6 +23,7 @@ from specforge.families import (
 from specforge.io import iter_jsonl, read_json, write_json_atomic
 from specforge.models.adapter import text_config
 from specforge.models.target import load_target_config, load_tokenizer
+from specforge.recipes.bench_vllm import check_vllm_source
 from specforge.recipes.stage import start_stage
 from specforge.serving.advice import sglang_advice
 from specforge.serving.export import MARKER
@@ -92,6 +93,8 @@ def export(cfg: SpecForgeConfig) -> Path:
             than a previous export.
     """
     cfg = start_stage(cfg)
+    if cfg.export.verify_engine == "vllm":
+        check_vllm_source(cfg.bench)
     checkpoint = checkpoint_to_export(cfg)
     state = read_trainer_state(checkpoint)
     if (problem := checkpoint_problem(checkpoint)) is not None:
@@ -162,18 +165,23 @@ def _served_against_builtin(cfg: SpecForgeConfig, export_dir: Path) -> dict:
         depth = draft_family.capabilities.default_depth(draft_family.draft_config(export_dir))
         steps = depth or DEFAULT_CHECK_STEPS
     folder = Path(cfg.output_dir) / "engine_check"
+    common = {
+        "draft": str(export_dir),
+        "limit": cfg.export.verify_questions,
+        "num_steps": steps,
+        "prompt_lookup_num_tokens": 0,
+    }
     settings = dataclasses.replace(
         cfg.bench,
-        draft=str(export_dir),
-        limit=cfg.export.verify_questions,
-        num_steps=steps,
-        prompt_lookup_num_tokens=0,
+        **common,
+        **{name: getattr(BenchConfig(), name) for name in ENGINE_OPTIONS},  # the defaults
         output=str(folder / "builtin"),
         engine="builtin",
     )
     builtin = bench(dataclasses.replace(cfg, bench=settings))
     settings = dataclasses.replace(
-        settings,
+        cfg.bench,
+        **common,
         engine="vllm",
         agree_with=str(folder / "builtin" / "bench.json"),
         output=str(folder / "vllm"),

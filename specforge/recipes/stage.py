@@ -6,9 +6,9 @@
    length, so on a CPU that cache grew a run's memory by about 1 GB per 100 steps, while 16
    entries cost no speed. oneDNN reads the value when it first builds a primitive, so it is set
    here, when the stage starts, not when the package is imported.
-2. refuse options that ``draft.type``'s family does not read (another family's, or an
-   offline capture for a family that trains online: :func:`specforge.families.check_options`),
-   before any model loads;
+2. refuse an ``output_dir`` that is a file, and options that ``draft.type``'s family does not
+   read (another family's, or an offline capture for a family that trains online:
+   :func:`specforge.families.check_options`), before any model loads;
 3. resolve the config's hardware-dependent ``auto`` values for the machine that runs it
    (:func:`specforge.config.resolve_auto`), so the stage's outputs record what actually ran.
 """
@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from specforge.config import SpecForgeConfig, resolve_auto
+from specforge.errors import UserError
 from specforge.families import check_options
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,8 @@ def start_stage(cfg: SpecForgeConfig) -> SpecForgeConfig:
     (logged when one changes), after the oneDNN cache cap is in place (see the module
     docstring)."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_PRIMITIVE_CACHE_CAPACITY)
+    if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
+        raise UserError(f"output_dir {cfg.output_dir} is a file: give a folder")
     check_options(cfg)
     resolved = resolve_auto(cfg)
     for section, name in AUTO_FIELDS:

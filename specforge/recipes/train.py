@@ -24,6 +24,7 @@ import hashlib
 import logging
 import math
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from specforge.data.batching import StepBatches, split_train_eval
 from specforge.data.chat import TokenizedSample
 from specforge.data.vocab import save_vocab_map
 from specforge.distributed import Distributed, setup_distributed
-from specforge.errors import UserError
+from specforge.errors import Interrupted, UserError
 from specforge.families import family
 from specforge.families.family import DraftFamily
 from specforge.models.eagle3 import FROZEN_WEIGHTS
@@ -58,6 +59,7 @@ from specforge.trainer.sources import (
     hidden_state_source,
     load_training_samples,
 )
+from specforge.trainer.stop import StopRequest
 from specforge.trainer.ttt import TTTResult
 
 logger = logging.getLogger(__name__)
@@ -134,6 +136,8 @@ class TrainingRun:
     """The on-policy phase's wall-clock seconds before this run."""
     nonfinite_steps: int = 0
     """Steps skipped for a non-finite loss or gradient norm."""
+    stop: StopRequest = field(default_factory=StopRequest)
+    """A SIGINT or SIGTERM received while the steps run (:mod:`specforge.trainer.stop`)."""
 
     @property
     def unwrapped(self) -> nn.Module:
@@ -287,6 +291,8 @@ def resume(cfg: SpecForgeConfig, draft, optimizer, identity: dict) -> Resumed:
             shutil.rmtree(leftover, ignore_errors=True)
     steps = checkpoint_steps(folder)
     if not steps:
+        if cfg.train.resume:
+            logger.warning("train.resume: %s holds no checkpoint: training from step 0", folder)
         return Resumed()
     if not cfg.train.resume:
         raise UserError(
@@ -366,6 +372,25 @@ def save(run: TrainingRun, step: int, clocks: dict[str, float | int]) -> Path | 
         )
     run.ranks.barrier()
     return path
+
+
+def checkpoint(run: TrainingRun, result: TrainResult, step: int, clocks: dict, due: bool) -> None:
+    """Write checkpoint ``step`` when it is ``due``, or when a SIGINT or SIGTERM arrived on any
+    rank (:mod:`specforge.trainer.stop`); after a signal, stop.
+
+    Raises:
+        Interrupted: a signal arrived; the message names the checkpoint and how to resume.
+    """
+    stopped = int(run.ranks.agreed_max(run.stop.signum))
+    if due or stopped:
+        result.checkpoint = save(run, step, clocks)
+    if stopped:
+        raise Interrupted(
+            f"stopped by {signal.Signals(stopped).name} after step {step}, checkpoint "
+            f"{result.checkpoint}: run the same command with --resume (train.resume=true) to "
+            "continue from it",
+            stopped,
+        )
 
 
 def accumulate(
@@ -459,32 +484,41 @@ def train(cfg: SpecForgeConfig, *, stop_after_step: int | None = None) -> TrainR
     run = setup(start_stage(cfg))
     cfg, tc = run.cfg, run.cfg.train  # train.epochs and train.warmup_ratio now in steps
     stop = stop_after_step or tc.max_steps + tc.on_policy.steps
+    if run.start_step >= stop:
+        logger.warning(
+            "the resumed checkpoint is at step %d, past the %d steps this run asks for "
+            "(train.max_steps + train.on_policy.steps): nothing to train; raise train.max_steps "
+            "to continue it",
+            run.start_step,
+            stop,
+        )
     try:
-        result, done, finished = TrainResult(), run.start_step, True
-        if run.on_policy_from is None:  # not resumed inside the on-policy phase
-            supervised = Phase(
-                "train",
-                run.start_step,
-                min(tc.max_steps, stop),
-                tc.max_minutes,
-                run.start_seconds,
-                lambda step, spent: set_lr(run.optimizer, tc, step, spent),
-            )
-            result, done, out_of_time = _loop(run, supervised, result)
-            finished = out_of_time or done >= tc.max_steps
-        if finished and tc.on_policy.steps and done < stop:
-            first = run.on_policy_from if run.on_policy_from is not None else done
-            phase = Phase(
-                "on_policy",
-                done,
-                min(first + tc.on_policy.steps, stop),
-                tc.on_policy.max_minutes,
-                run.on_policy_seconds if run.on_policy_from is not None else 0.0,
-                lambda step, spent: apply_lr(run.optimizer, on_policy_lr(tc)),
-                on_policy_from=first,
-            )
-            result, _, _ = _loop(run, phase, result)
-        return result
+        with run.stop:
+            result, done, finished = TrainResult(), run.start_step, True
+            if run.on_policy_from is None:  # not resumed inside the on-policy phase
+                supervised = Phase(
+                    "train",
+                    run.start_step,
+                    min(tc.max_steps, stop),
+                    tc.max_minutes,
+                    run.start_seconds,
+                    lambda step, spent: set_lr(run.optimizer, tc, step, spent),
+                )
+                result, done, out_of_time = _loop(run, supervised, result)
+                finished = out_of_time or done >= tc.max_steps
+            if finished and tc.on_policy.steps and done < stop:
+                first = run.on_policy_from if run.on_policy_from is not None else done
+                phase = Phase(
+                    "on_policy",
+                    done,
+                    min(first + tc.on_policy.steps, stop),
+                    tc.on_policy.max_minutes,
+                    run.on_policy_seconds if run.on_policy_from is not None else 0.0,
+                    lambda step, spent: apply_lr(run.optimizer, on_policy_lr(tc)),
+                    on_policy_from=first,
+                )
+                result, _, _ = _loop(run, phase, result)
+            return result
     finally:
         cache = getattr(run.source, "cache", None)
         if cache is not None:
@@ -575,9 +609,8 @@ def _loop(run: TrainingRun, phase: Phase, result: TrainResult) -> tuple[TrainRes
         # 6. evaluate
         if evaluated:
             evaluate_all(run, result, done)
-        # 7. checkpoint (its seconds include this step's evaluation)
-        if saved:
-            result.checkpoint = save(run, done, phase.clocks(run, clock.elapsed()))
+        # 7. checkpoint (its seconds include this step's evaluation), and on a signal stop
+        checkpoint(run, result, done, phase.clocks(run, clock.elapsed()), saved)
         if clock.budget and not last and logged and saved and evaluated == has_eval:
             # a periodic evaluation and save that used up the budget make this step the last
             # (another step would only evaluate and save again)

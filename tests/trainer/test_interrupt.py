@@ -1,0 +1,100 @@
+"""Stopping training by a signal keeps the work: SIGTERM (a scheduler's limit) or SIGINT
+(Ctrl-C) during ``specforge train`` finishes the step in flight, writes a checkpoint, says in
+one line how to resume and exits 128 + the signal; the resumed run continues from it. A
+``--resume`` with nothing to resume, or of a run already past the steps asked for, says so."""
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from specforge.config import load_config
+from specforge.recipes.train import train
+from tests.helpers import REPO, tiny_train_config
+
+SLOW_RUN = ("train.max_steps=100000", "train.save_every=100000", "train.eval_every=100000")
+
+
+def _overrides(folder, data, out, *extra):
+    return [
+        f"target.name_or_path={folder}",
+        "target.dtype=float32",
+        f"train.data_path={data}",
+        f"output_dir={out}",
+        "train.dtype=float32",
+        "train.log_every=1",
+        "vocab.draft_vocab_size=64",
+        "train.ttt_length=3",
+        *extra,
+    ]
+
+
+def _logged_steps(out) -> int:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line]
+    return max(steps, default=0)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_training_saves_a_checkpoint_and_says_how_to_resume(
+    tmp_path, peaked_target_dir, signum
+):
+    folder, data = peaked_target_dir
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "specforge.cli", "train"]
+    process = subprocess.Popen(
+        [*command, *_overrides(folder, data, out, *SLOW_RUN)],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while _logged_steps(out) < 2 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert process.poll() is None, "training ended before the signal"
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signum, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("specforge train: stopped by " + signal.Signals(signum).name), last
+    assert "--resume" in last and "Traceback" not in stderr
+    saved = sorted(int(p.name.removeprefix("step_")) for p in (out / "checkpoints").iterdir())
+    assert saved and saved[-1] >= 2 and f"step_{saved[-1]}" in last
+
+    resumed = train(
+        load_config(
+            None,
+            _overrides(
+                folder,
+                data,
+                out,
+                f"train.max_steps={saved[-1] + 1}",
+                "train.resume=true",
+                "train.eval_every=100000",
+            ),
+        )
+    )
+    assert resumed.checkpoint == out / "checkpoints" / f"step_{saved[-1] + 1}"
+
+
+def test_resume_says_when_there_is_nothing_to_resume_or_to_train(
+    tmp_path, peaked_target_dir, caplog
+):
+    folder, data = peaked_target_dir
+    out = tmp_path / "run"
+    with caplog.at_level(logging.WARNING):
+        train(tiny_train_config(folder, data, out, "train.resume=true", "train.max_steps=2"))
+    assert "holds no checkpoint: training from step 0" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        again = train(
+            tiny_train_config(folder, data, out, "train.resume=true", "train.max_steps=1")
+        )
+    assert "at step 2, past the 1 steps this run asks for" in caplog.text
+    assert again.checkpoint is None
