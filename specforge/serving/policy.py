@@ -128,6 +128,21 @@ class Plan:
     lookup: bool = False
     """The chain is prompt lookup's, not the draft's."""
 
+    def capped(self, room: int) -> Plan:
+        """This plan verifying at most ``room`` tokens after the last: a longer chain cut (a
+        round emits at most its verified tokens and the target's own, so past what is left of
+        the turn's budget a token costs verification and cannot be used). The cut chain's
+        declined candidate is dropped: it is not the token after the cut. A tree (a greedy
+        ``auto`` fan) is kept whole: it never runs deeper than the depth ``auto`` chooses."""
+        if self.tree is not None or self.depth <= room:
+            return self
+        fan = self.fan
+        if fan is not None:
+            fan = replace(fan, chain=fan.chain[:room], probs=fan.probs[:room], candidate=None)
+        tokens = None if self.tokens is None else self.tokens[:room]
+        dists = None if self.dists is None else self.dists[:room]
+        return replace(self, depth=room, tokens=tokens, dists=dists, fan=fan)
+
 
 class FixedDepth:
     """``num_steps`` draft tokens (or tree levels) every round."""

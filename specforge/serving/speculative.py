@@ -216,7 +216,7 @@ class SpeculativeDecoder:
         """1. The policy's plan for this round, its chain drafted (fixed depth; sampling
         ``auto``) where the policy has not drafted it; timed as drafting."""
         start = self._clock()
-        plan = self.policy.plan(self.proposer)
+        plan = self.policy.plan(self.proposer).capped(self._room - 1)
         if plan.tree is None and plan.depth and plan.tokens is None:
             plan.tokens, plan.dists = self.proposer.chain(plan.depth)
         stats.draft_seconds += self._clock() - start
@@ -376,6 +376,7 @@ class SpeculativeDecoder:
         output = [next_token]
         length = input_ids.shape[1]  # tokens whose target features are known (and cached)
         while len(output) < max_new_tokens and next_token not in eos:
+            self._room = max_new_tokens - len(output)  # the tokens this turn may still emit
             new_tokens = self._round(next_token, length, target_cache, stats, output)
             length += len(new_tokens)
             for token in new_tokens:

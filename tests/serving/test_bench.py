@@ -65,9 +65,12 @@ def test_bench_cli_end_to_end(tmp_path, peaked_target_dir, capsys):
     assert 0 < cost["target_prefill_ms_per_round"] < cost["prefill_ms_per_round"]
     outside = cost["round_ms"] - cost["draft_ms_per_round"] - cost["verify_ms_per_round"]
     assert abs(cost["added_ms_per_round"] + cost["target_prefill_ms_per_round"] - outside) < 1e-6
-    assert result["depth_histogram"] == {
-        "3": sum(len(t["accepted_per_round"]) for t in result["turn_details"])
-    }
+    # depth 3, except where fewer tokens were left of a turn's budget (at most 3 such rounds)
+    turns = result["turn_details"]
+    histogram = result["depth_histogram"]
+    assert sum(histogram.values()) == sum(len(t["accepted_per_round"]) for t in turns)
+    assert set(histogram) <= {"0", "1", "2", "3"}
+    assert sum(histogram.values()) - histogram["3"] <= 3 * len(turns)
     assert result["sglang_advice"]["sglang_flags"].startswith("--speculative-algorithm EAGLE3")
     report = (out / "bench.md").read_text()
     assert (out / "bench.png").stat().st_size > 1000 and "tau_sglang" in report
