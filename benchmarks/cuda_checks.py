@@ -46,6 +46,7 @@ import sys
 import time
 from pathlib import Path
 
+from specforge.processes import run_group
 from specforge.results import write_result
 
 GPU_RECIPE = "configs/smollm2-135m-eagle3-gpu.yaml"
@@ -189,12 +190,8 @@ def main() -> None:
         log = out / f"{name.replace(' ', '_')}.log"
         start = time.perf_counter()
         with log.open("w") as sink:
-            try:
-                rc = subprocess.run(
-                    command, stdout=sink, stderr=subprocess.STDOUT, timeout=seconds
-                ).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timed out"
+            rc = run_group(command, stdout=sink, stderr=subprocess.STDOUT, timeout=seconds)
+            rc = "timed out" if rc is None else rc
         took = time.perf_counter() - start
         summary.append({"stage": name, "returncode": rc, "seconds": round(took, 1)})
         print(f"{name}: {rc} after {took:.0f} s (log: {log})", flush=True)

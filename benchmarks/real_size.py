@@ -40,6 +40,7 @@ import torch
 
 from specforge.config import TargetConfig, load_config
 from specforge.io import write_json_atomic
+from specforge.processes import run_group
 from specforge.results import write_result
 
 LLAMA_31_8B = {
@@ -183,12 +184,8 @@ def run(name: str, commands: list[list[str]], seconds: float, out: Path) -> dict
     with log.open("w") as sink:
         for command in commands:
             left = seconds - (time.perf_counter() - start)
-            try:
-                code = subprocess.run(
-                    command, stdout=sink, stderr=subprocess.STDOUT, timeout=max(left, 1)
-                ).returncode
-            except subprocess.TimeoutExpired:
-                code = "timed out"
+            code = run_group(command, stdout=sink, stderr=subprocess.STDOUT, timeout=max(left, 1))
+            code = "timed out" if code is None else code
             if code != 0:
                 break
     took = round(time.perf_counter() - start, 1)

@@ -36,6 +36,7 @@ from typing import Any
 from specforge.data.chat import prompt_ids
 from specforge.data.questions import BenchQuestion, ask_turns
 from specforge.errors import UserError
+from specforge.processes import start_group, stop_group
 from specforge.serving.stats import against_baseline
 
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -202,7 +203,8 @@ def server_command(python: str, target: str, port: int, extra: list[str]) -> lis
 def launched_server(command: list[str], port: int, log: Path, *, timeout: float) -> Iterator[str]:
     """Run ``command`` (a vLLM server on ``port``) with its output in ``log``; yields its URL
     once ``/health`` answers, and stops it (its whole process group) on the way out, a SIGTERM
-    to this process included (:func:`_sigterm_unwinds`).
+    to this process included (:func:`_sigterm_unwinds`); killed outright, this process takes
+    the server with it (a parent-death signal, :mod:`specforge.processes`).
 
     Raises:
         UserError: the server exits or does not become healthy within ``timeout`` seconds
@@ -213,14 +215,12 @@ def launched_server(command: list[str], port: int, log: Path, *, timeout: float)
     url = f"http://127.0.0.1:{port}"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as sink, _sigterm_unwinds():
-        process = subprocess.Popen(
-            command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        process = start_group(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
         try:
             _wait_healthy(process, url, log, timeout)
             yield url
         finally:
-            _stop(process)
+            stop_group(process)
 
 
 @contextmanager
@@ -261,17 +261,6 @@ def _wait_healthy(process: subprocess.Popen, url: str, log: Path, timeout: float
         f"the vLLM server at {url} was not healthy after {timeout:.0f} s "
         f"(bench.vllm_start_timeout_s); its log {log} ends:\n{_tail(log)}"
     )
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 def _tail(log: Path, lines: int = 15) -> str:

@@ -5,7 +5,6 @@ only where asked; its build survives a kill and a time limit, and it checks ever
 import os
 import platform
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from specforge.engine.cpu.decode_kernel import (
     NAME,
     build_decode_kernel,
     build_directory,
-    clear_stale_lock,
+    exclusive,
     kernel_decode_attention,
 )
 from specforge.errors import UserError
@@ -125,59 +124,49 @@ def test_a_build_killed_half_way_does_not_hang_the_next_one(tmp_path, monkeypatc
     assert (directory / "lock").exists(), "the build never took its lock"
     os.killpg(builder.pid, signal.SIGKILL)
     builder.wait()
-    assert (directory / "lock").exists() and list(directory.glob("build-*.pid"))
+    assert (directory / "lock").exists()
     module = build_decode_kernel(timeout_s=900)
     assert callable(module.decode_attention)
-    assert not (directory / "lock").exists() and not list(directory.glob("build-*.pid"))
+    assert not (directory / "lock").exists()
 
 
 def test_a_build_past_its_time_limit_is_stopped_and_named(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     with pytest.raises(UserError, match="building it took more than 1 s"):
         build_decode_kernel(timeout_s=1)
-    directory = build_directory()
-    assert not (directory / "lock").exists() and not list(directory.glob("build-*.pid"))
+    assert not (build_directory() / "lock").exists()
 
 
-LOADER = """
-import sys
-from specforge.engine.cpu.decode_kernel import build_decode_kernel
-for _ in range(int(sys.argv[1])):
-    build_decode_kernel()
+HOLDER = """
+import sys, time
+from pathlib import Path
+from specforge.engine.cpu.decode_kernel import exclusive
+with exclusive(Path(sys.argv[1]), 5):
+    print("held", flush=True)
+    time.sleep(600)
 """
 
 
-@pytest.mark.integration
-def test_a_process_loading_the_built_kernel_keeps_its_lock(tmp_path, monkeypatch):
-    """PyTorch's ``load`` takes the build lock on every call, a build or not: a process that
-    only loads the kernel holds it too, and another process's stale-lock check must leave it
-    (removing it made the loader fail on releasing it, and the kernel go unused). The build is
-    copied to a folder of the test's own, so that no other process (a test killed mid-load in
-    another worker) leaves a truly stale lock there while it runs."""
-    build_decode_kernel(timeout_s=900)  # built once: the loader below only loads
-    shared = build_directory()
+def test_the_build_lock_waits_a_bounded_time_and_dies_with_its_holder(tmp_path, monkeypatch):
+    """A process holding the folder's lock (building or loading) makes another wait, for a
+    bounded time and then with a message naming the lock; killed outright, its lock goes with
+    it (an ``flock``: no process ids to judge, no stale file to remove)."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     directory = build_directory()
-    shutil.copytree(shared, directory, ignore=shutil.ignore_patterns("lock", "build-*.pid"))
-    loader = subprocess.Popen(
-        [sys.executable, "-c", LOADER, "15"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    directory.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(directory)], stdout=subprocess.PIPE, text=True
     )
-    seen_locked = removed = 0
-    while loader.poll() is None:
-        if (directory / "lock").exists():
-            seen_locked += 1
-            removed += clear_stale_lock(directory)
-    output = loader.stdout.read().decode()
-    assert loader.returncode == 0, output[-2000:]
-    assert seen_locked and not removed
-
-
-def test_a_lock_whose_builder_is_alive_is_kept(tmp_path):
-    (tmp_path / "lock").touch()
-    (tmp_path / f"build-{os.getpid()}.pid").touch()  # this process: alive
-    assert not clear_stale_lock(tmp_path) and (tmp_path / "lock").exists()
-    (tmp_path / f"build-{os.getpid()}.pid").unlink()
-    assert clear_stale_lock(tmp_path) and not (tmp_path / "lock").exists()
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UserError, match=r"waited 1 s for another process .*/specforge.lock"):
+            build_decode_kernel(timeout_s=1)
+        assert not (directory / f"{NAME}.so").exists()  # it waited: nothing was built
+    finally:
+        holder.kill()
+        holder.wait()
+    with exclusive(directory, 0):  # free at once
+        pass
 
 
 # -- the kernel trusts no caller ----------------------------------------------------------------

@@ -19,16 +19,19 @@ it cannot be built (no C++ compiler or ninja, or a build past :data:`BUILD_TIMEO
 attention stays PyTorch's; ``regenerate.decode_kernel: on`` turns that fallback into an error
 naming the reason.
 
-The build runs in a subprocess with a time limit, so a stuck build cannot hang the stage. A
-build killed half-way (a resumed run's usual history) leaves PyTorch's ``lock`` file behind,
-which makes every later ``load`` wait forever: each process that builds or loads records its
-process id beside the lock (``load`` takes the lock on every call), and a lock whose holders are
-all gone is removed as stale before the next build.
+The build runs in a subprocess with a time limit (its whole process group killed past it), so
+a stuck build cannot hang the stage. Every process that builds or loads the kernel holds an
+``flock`` on the folder's ``specforge.lock`` (:func:`exclusive`), waiting a bounded time for
+another holder; the OS releases it when its holder dies. A build killed half-way (a resumed
+run's usual history) leaves PyTorch's own ``lock`` file behind, on which PyTorch's ``load``
+would wait forever: found while holding the flock, it can only be a killed build's, and is
+removed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -44,6 +47,7 @@ from pathlib import Path
 import torch
 
 from specforge.errors import UserError
+from specforge.processes import start_group, stop_group
 
 log = logging.getLogger(__name__)
 
@@ -78,54 +82,48 @@ def build_directory() -> Path:
     return Path(root) / f"{NAME}-{digest.hexdigest()[:12]}"
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+LOCK_NAME = "specforge.lock"
+"""The file whose ``flock`` every process that builds or loads the kernel in a folder holds."""
 
 
 @contextlib.contextmanager
-def builder_marker(directory: Path):
-    """Record this process as one that may hold ``directory``'s ``lock`` while inside: PyTorch's
-    ``load`` takes the lock on every call, a build or not, so a loading process is a builder."""
-    marker = directory / f"build-{os.getpid()}.pid"
-    marker.write_text(str(os.getpid()))
-    try:
-        yield
-    finally:
-        marker.unlink(missing_ok=True)
+def exclusive(directory: Path, timeout_s: float):
+    """Hold ``directory``'s lock (an ``fcntl.flock`` on :data:`LOCK_NAME`), waiting at most
+    ``timeout_s`` seconds for another holder. The OS releases it when its holder dies, however
+    it dies, so no lock outlives a killed process; and since every builder and loader holds it,
+    a PyTorch build ``lock`` found while holding it was left by a killed build.
+
+    Raises:
+        UserError: another process held it for ``timeout_s`` seconds.
+    """
+    path = directory / LOCK_NAME
+    deadline = time.monotonic() + timeout_s
+    with path.open("a") as handle:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise UserError(
+                        f"waited {timeout_s:.0f} s for another process building or loading the "
+                        f"kernel in {directory} (it holds {path})"
+                    ) from None
+                time.sleep(0.1)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def clear_stale_lock(directory: Path) -> bool:
-    """Remove PyTorch's build ``lock`` in ``directory`` when no process that loads or builds
-    there is alive (each records ``build-<pid>.pid`` first, :func:`builder_marker`) and the lock
-    is still the one seen before the markers were read (a live holder may release its lock and
-    drop its marker in between, and the next one take a new lock); returns whether a stale lock
-    was removed."""
-    lock = directory / "lock"
-    seen = _identity(lock)  # before the markers: a holder writes its marker before the lock
-    owners = list(directory.glob("build-*.pid"))
-    alive = [p for p in owners if _process_alive(int(p.stem.removeprefix("build-")))]
-    for dead in set(owners) - set(alive):
-        dead.unlink(missing_ok=True)
-    if seen is not None and not alive and _identity(lock) == seen:
-        lock.unlink(missing_ok=True)
+def _clear_stale_baton(directory: Path) -> None:
+    """Remove PyTorch's build ``lock`` in ``directory``, which PyTorch's ``load`` would wait on
+    forever; only ever called while holding :func:`exclusive`, when it can only be a killed
+    build's."""
+    baton = directory / "lock"
+    if baton.exists():
+        baton.unlink(missing_ok=True)
         log.warning("removed a stale build lock in %s (its build was stopped)", directory)
-        return True
-    return False
-
-
-def _identity(path: Path) -> tuple[int, int, int] | None:
-    """Which file ``path`` is now (device, inode, modification time), or ``None`` if none."""
-    try:
-        stat = path.stat()
-    except FileNotFoundError:
-        return None
-    return stat.st_dev, stat.st_ino, stat.st_mtime_ns
 
 
 def _load(directory: Path):
@@ -150,30 +148,39 @@ def build_decode_kernel(timeout_s: float = BUILD_TIMEOUT_S):
     """
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
-    clear_stale_lock(directory)
-    if not (directory / f"{NAME}.so").is_file() or (directory / "lock").exists():
-        log.info("building the CPU decode attention kernel (first use) in %s", directory)
-        start = time.perf_counter()
-        builder = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(directory)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # its compiler processes go with it on a timeout
-        )
-        try:
-            output, _ = builder.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(builder.pid, signal.SIGKILL)
-            builder.wait()
-            clear_stale_lock(directory)
-            raise UserError(f"building it took more than {timeout_s:.0f} s") from None
-        if builder.returncode != 0:
-            last = (output or "").strip().splitlines()[-1:] or [f"exit {builder.returncode}"]
-            raise UserError(f"building it failed ({last[0]})")
-        log.info("decode attention kernel built in %.1f s", time.perf_counter() - start)
-    with builder_marker(directory):
+    with exclusive(directory, timeout_s):
+        _clear_stale_baton(directory)
+        if not (directory / f"{NAME}.so").is_file():
+            _build(directory, timeout_s)
         return _load(directory)
+
+
+def _build(directory: Path, timeout_s: float) -> None:
+    """Build the kernel in a subprocess (its process group killed after ``timeout_s``, its
+    leftover build lock cleared); the caller holds :func:`exclusive`.
+
+    Raises:
+        UserError: the build failed or ran past ``timeout_s``.
+    """
+    log.info("building the CPU decode attention kernel (first use) in %s", directory)
+    start = time.perf_counter()
+    builder = start_group(  # its compiler processes go with it on a timeout
+        [sys.executable, "-m", __name__, str(directory)],
+        death_signal=signal.SIGKILL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output, _ = builder.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop_group(builder, grace=0)
+        _clear_stale_baton(directory)
+        raise UserError(f"building it took more than {timeout_s:.0f} s") from None
+    if builder.returncode != 0:
+        last = (output or "").strip().splitlines()[-1:] or [f"exit {builder.returncode}"]
+        raise UserError(f"building it failed ({last[0]})")
+    log.info("decode attention kernel built in %.1f s", time.perf_counter() - start)
 
 
 def load_decode_kernel() -> tuple[Callable | None, str | None]:
@@ -283,14 +290,8 @@ def _warn_once(why: str) -> None:
     log.warning("decode attention: PyTorch's SDPA (specforge's CPU kernel unused: %s)", why)
 
 
-def _build_here(directory: Path) -> None:
-    """The build subprocess: record this process as a builder of ``directory``, then build."""
-    with builder_marker(directory):
-        _load(directory)
-
-
-if __name__ == "__main__":
-    _build_here(Path(sys.argv[1]))
+if __name__ == "__main__":  # the build subprocess (its parent holds the lock)
+    _load(Path(sys.argv[1]))
 
 
 def decode_attention_for(mode: str) -> Callable | None:
