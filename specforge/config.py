@@ -501,7 +501,8 @@ class TrainConfig:
 
     data_path: str | None = None
     """Conversations JSONL to train on; defaults to what prepare writes
-    (``<output_dir>/conversations.jsonl``), prepared first if missing."""
+    (``<output_dir>/conversations.jsonl``). A missing file is an error that says to run
+    ``specforge prepare``."""
     ttt_length: int = 7
     """Unrolled draft steps per position."""
     step_weight: float = 0.8

@@ -233,8 +233,12 @@ def test_a_prompt_past_the_targets_context_is_refused_before_decoding(
     tmp_path, tiny_target_dir, capsys
 ):
     questions = tmp_path / "long.jsonl"
-    long = " ".join(["word"] * 3000)
+    long = " ".join(["word"] * 2100)
     questions.write_text(json.dumps({"question_id": 7, "category": "x", "turns": [long]}) + "\n")
     argv = ["bench", "--target", str(tiny_target_dir), "--questions", str(questions)]
     err = _one_line_error(capsys, [*argv, "--draft", str(tmp_path / "no-export")])
     assert "question '7' is" in err and "past the target's context of 2048 tokens" in err
+    long = " ".join(["word"] * 380)  # fits, but its answer may not: said, not refused
+    questions.write_text(json.dumps({"question_id": 8, "category": "x", "turns": [long]}) + "\n")
+    err = _one_line_error(capsys, [*argv, "--draft", str(tmp_path / "no-export")])
+    assert "no-export is not an export directory" in err

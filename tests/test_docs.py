@@ -375,3 +375,160 @@ def test_the_wording_check_bites():
 def test_the_engine_table_lists_the_vllm_the_suite_pins():
     """docs/export-and-serving.md names the vLLM version the suite serves exports with."""
     assert f"| {VLLM_PIN.split('==')[1]} |" in vllm_rows()
+
+
+# -- figures and settings in prose agree with their sources ------------------------------------
+
+RESULTS_LINK = re.compile(r"results\.md#([a-z0-9_]+)")
+FIGURE = re.compile(r"(?<![\w.#])([+-]?)(\d+\.\d+)(?![\w.])")
+PASSAGES = re.compile(r"\n\s*\n|\n(?=\|)|\n(?=- )|(?<=[a-z0-9)`])\.\s+(?=[A-Z`(])")
+"""Where a document's passages end: a blank line, a table row, a list item, a sentence."""
+
+
+def _numbers(value) -> list[float]:
+    """Every number a results entry holds (in strings too: its figures and summary)."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int | float):
+        return [float(value)]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        return [n for item in value for n in _numbers(item)]
+    if isinstance(value, str):
+        return [float(n) for n in re.findall(r"\d+\.\d+|\d+", value)]
+    return []
+
+
+def _shown(value: float, text: str) -> bool:
+    """Whether ``text`` (a decimal as written) shows ``value``, or ``value`` as a percentage."""
+    places = len(text.split(".")[1])
+    return any(round(v, places) == float(text) for v in (value, 100 * value))
+
+
+def unsourced_figures(text: str, results: Path) -> list[str]:
+    """The decimals in ``text``'s passages that link a results entry (a table row: its last
+    cell) that no linked entry holds, as written or as a percentage; a signed one (``+0.022``)
+    may be a difference of two of its values. A link to another site and its text are not
+    figures of ours."""
+    found = []
+    for passage in PASSAGES.split(text):
+        keys = set(RESULTS_LINK.findall(passage))
+        if not keys:
+            continue
+        if passage.startswith("|"):
+            passage = passage.rstrip(" |").rsplit("|", 1)[-1]
+        passage = re.sub(r"\[[^\]]*\]\(https?://[^)]*\)", "", passage)
+        values = sorted(
+            {
+                v
+                for key in keys
+                if (results / f"{key}.json").is_file()
+                for v in _numbers(json.loads((results / f"{key}.json").read_text()))
+            }
+        )
+        for match in FIGURE.finditer(passage):
+            sign, text_value = match.groups()
+            if any(_shown(v, text_value) for v in values):
+                continue
+            if sign and any(_shown(abs(a - b), text_value) for a in values for b in values):
+                continue
+            found.append(f"{text_value} beside {sorted(keys)}: {passage.strip()[:120]!r}")
+    return found
+
+
+@pytest.mark.parametrize("page", DOC_FILES, ids=lambda p: p.name)
+def test_every_figure_beside_a_results_link_is_in_that_result(page):
+    """A figure in prose comes from the results entry it links: a figure of a superseded draft,
+    or one read off another run, fails here."""
+    assert unsourced_figures(page.read_text(), REPO / "docs" / "results") == []
+
+
+def test_the_figure_check_bites(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"tau": 1.5312, "speedup": 1.2}))
+    ok = "The draft's `tau` 1.53, 1.20x ([results](results.md#run)). Another: 2.5."
+    assert unsourced_figures(ok, tmp_path) == []
+    stale = "The draft's `tau` 1.63 ([results](results.md#run))."
+    assert len(unsourced_figures(stale, tmp_path)) == 1
+    assert unsourced_figures("| a | `tau` +0.33 ([r](results.md#run)) |", tmp_path) == []
+
+
+SETTINGS_RECIPE = REPO / "configs" / "smollm2-135m-eagle3.yaml"
+
+
+def _setting(cfg, dotted: str):
+    for name in dotted.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
+
+
+def test_the_settings_table_says_the_codes_defaults_and_the_recipes_values():
+    """``docs/training.md``'s settings table: its default column is the dataclasses' default
+    and its recipe column the SmolLM2 recipe's value, key by key."""
+    import yaml
+
+    from specforge.config import SpecForgeConfig
+
+    text = (REPO / "docs" / "training.md").read_text()
+    table = text[text.index("| setting | default | SmolLM2 recipe | why |") :].split("\n\n")[0]
+    defaults, recipe = SpecForgeConfig(), load_config(SETTINGS_RECIPE)
+    checked = 0
+    for row in table.splitlines()[2:]:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        keys = re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)`", cells[0])
+        for column, cfg in ((1, defaults), (2, recipe)):
+            shown = re.findall(r"`([^`]+)`", cells[column])
+            assert len(shown) == len(keys), row
+            for key, value in zip(keys, shown, strict=True):
+                parsed = yaml.safe_load(value)
+                if isinstance(parsed, str):  # YAML 1.1 reads 1e-4 as a string
+                    parsed = float(parsed) if re.fullmatch(r"[\d.]+e-?\d+", parsed) else parsed
+                assert parsed == _setting(cfg, key), (key, column, value)
+                checked += 1
+    assert checked >= 30
+
+
+def test_ci_installs_and_tests_as_the_readme_says():
+    """``.ci/run`` runs the README's test command as written (read by .ci/readme_command.py):
+    the install line a user copies, with the CPU index for torch, then ``pytest``."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / ".ci" / "readme_command.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    install, test = done.stdout.splitlines()
+    assert install.startswith("pip install torch==2.13.0 --extra-index-url ")
+    assert test == "pytest"
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "readme_command.py" in ci and "pip install" not in ci
+
+
+def test_the_readme_says_what_the_engine_table_says_has_served():
+    """The README's claims about serving follow ``docs/export-and-serving.md``'s engine table:
+    an engine the table marks as not served here is said so in the README too."""
+    rows = [
+        line
+        for line in (REPO / "docs" / "export-and-serving.md").read_text().splitlines()
+        if line.startswith("| SGLang |") or line.startswith("| vLLM")
+    ]
+    readme = " ".join((REPO / "README.md").read_text().split())
+    for row in rows:
+        engine = row.split("|")[1].strip()
+        if "not served here" in row:
+            assert f"{engine} has not served an export here" in readme, engine
+    assert "serve it with SGLang (its documented launch; not yet run here)" in readme
+
+
+def test_every_list_of_question_sets_names_them_all():
+    """A page that lists ``--questions``' named sets (the README, the quickstart, the bench
+    page) names every set the code has (:data:`specforge.data.questions.EVAL_SETS`)."""
+    from specforge.data.questions import EVAL_SETS
+
+    pages = {page.name: " ".join(page.read_text().split()) for page in DOC_FILES}
+    for name in ("README.md", "quickstart.md", "bench-and-runtime.md"):
+        assert "mt_bench" in pages[name], name
+    for name, text in pages.items():
+        if "`gsm8k`" in text:
+            missing = [s for s in EVAL_SETS if f"`{s}`" not in text and f",{s}" not in text]
+            assert not missing, (name, missing)

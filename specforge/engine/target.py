@@ -24,13 +24,17 @@ where the run repays the compilation.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import shutil
 import time
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
+import transformers
 from torch import nn
 
 from specforge.engine.cache import SPAN_STEP, SlotKVCache, SlotKVPool, whole_spans
@@ -103,10 +107,14 @@ class EngineStats:
     attention_backends: list[str] = field(default_factory=list)
     """The SDPA kernels a captured forward may use (CUDA graphs only:
     :data:`~specforge.engine.graphs.CAPTURE_BACKENDS`); empty: SDPA's own choice."""
+    fallback: str | None = None
+    """Why the compiled forwards failed and the engine runs eagerly since (``engine.compile:
+    auto``), or ``None``."""
 
     def as_dict(self) -> dict:
         return {
             "compiled": self.compiled,
+            "fallback": self.fallback,
             "attention_backends": self.attention_backends,
             "compilations": self.compilations,
             "compile_seconds": round(self.compile_seconds, 2),
@@ -165,13 +173,25 @@ class TargetEngine:
         if refusal:
             raise UserError(f"the engine cannot run this target exactly: {refusal}")
         self._run = self._layers
+        self._fallback = False
         self._row_buckets = row_buckets
         if compile:
             self.compile()
 
-    def compile(self) -> None:
+    def compile(self, *, fallback: bool = False) -> None:
         """From now on run forwards through ``torch.compile`` (both sizes dynamic; compiled at
-        their first call), or on a CUDA device as CUDA graphs."""
+        their first call), or on a CUDA device as CUDA graphs. ``fallback``: a forward whose
+        compilation or capture fails runs eagerly, and every later one (one warning naming
+        the reason, kept in ``stats.fallback``); else the failure raises.
+
+        Raises:
+            UserError: the layer loop reads a tensor on the host (dynamic RoPE): a compiled or
+                captured forward cannot run it.
+        """
+        sync = self.host_sync()
+        if sync is not None:
+            raise UserError(f"the compiled engine cannot run this target: {sync}")
+        self._fallback = fallback
         self.stats.compiled = True
         runner = graph_runner(self.device)
         if runner is not None:
@@ -181,6 +201,18 @@ class TargetEngine:
             # float32 linears: the kernel measured fastest here for each row count
             self._bucket(self._row_buckets)
             self._run = torch.compile(self._layers, dynamic=True, fullgraph=True)
+
+    def _uncompile(self, error: RuntimeError) -> None:
+        """Run every forward eagerly from now on, after ``error`` failed a compilation or
+        capture (``compile(fallback=True)``); warned once and recorded."""
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        self.stats.fallback = f"{type(error).__name__}: {reason}"
+        self.stats.compiled = False
+        self._run = self._layers
+        logger.warning(
+            "the compiled engine failed (%s): the target's forwards run eagerly from here",
+            self.stats.fallback,
+        )
 
     def _bucket(self, row_buckets: bool | tuple[int, ...]) -> None:
         """Row plans for the engine's own copy of the layers (the model's, which HF
@@ -283,7 +315,15 @@ class TargetEngine:
         # a new cache's first forward (the prompt) runs eagerly: it takes the buffers
         replayed = cache.allocated and self.graphs
         run = self._run if cache.allocated else self._layers
-        hidden, aux = run(input_ids, positions, slots, mask[None, None], cache=cache)
+        args = (input_ids, positions, slots, mask[None, None])
+        try:
+            hidden, aux = run(*args, cache=cache)
+        except RuntimeError as error:  # a compilation or capture that failed (nothing written)
+            if run is self._layers or not self._fallback:
+                raise
+            self._uncompile(error)
+            replayed = False
+            hidden, aux = self._layers(*args, cache=cache)
         if replayed:
             # a CUDA graph's outputs live in its pool and the next replay overwrites them;
             # the caller keeps the aux states across forwards (the logits below are new)
@@ -337,12 +377,16 @@ class TargetEngine:
         on :data:`PROBE_TOKENS` tokens (a prefix, then one more), eagerly; their hidden and aux
         states must agree within 1e-4 of their largest value in float32 (4 roundings in a
         16-bit dtype). A decoder whose pieces the loop cannot call (no rotary module, layers
-        that take other arguments) is refused with the error it raised."""
+        that take other arguments) is refused with the error it raised, where the model's code
+        raised it (:func:`raised_by_model`); raised elsewhere, it is the engine's bug and
+        propagates."""
         if self.rotary is None:
             return f"{architecture(self.model.config)}'s decoder has no rotary_emb module"
         try:
             ours, theirs = self._probe()
         except (AttributeError, TypeError, ValueError, RuntimeError, IndexError) as error:
+            if not raised_by_model(error, self.model):
+                raise  # the engine's own bug: never a quiet path through transformers
             return (
                 f"{architecture(self.model.config)}'s decoder is not the plain layer loop "
                 f"({type(error).__name__}: {error})"
@@ -414,6 +458,37 @@ class TargetEngine:
         return output
 
 
+def raised_by_model(error: BaseException, model: nn.Module) -> bool:
+    """Whether ``error`` was raised by ``model``'s own code (transformers, or the file of one of
+    its module classes, remote code included), or by PyTorch refusing the arguments the engine
+    gave one of its modules: the model is not what the engine runs. Raised anywhere else (the
+    engine's code), it is a bug."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return False
+    where = Path(frames[-1].filename).resolve()
+    if where.is_relative_to(TRANSFORMERS) or str(where) in _module_files(model):
+        return True
+    return isinstance(error, TypeError) and where == TORCH_MODULE
+
+
+TRANSFORMERS = Path(transformers.__file__).resolve().parent
+TORCH_MODULE = Path(nn.modules.module.__file__).resolve()
+"""Where ``nn.Module.__call__`` calls ``forward``: a ``TypeError`` there is an argument a
+module does not take."""
+
+
+def _module_files(model: nn.Module) -> set[str]:
+    """The source files of ``model``'s module classes."""
+    files = set()
+    for kind in {type(m) for m in model.modules()}:
+        try:
+            files.add(str(Path(inspect.getfile(kind)).resolve()))
+        except (TypeError, OSError):  # a class without a source file
+            continue
+    return files
+
+
 def shared_copy(module: nn.Module) -> nn.Module:
     """A copy of ``module``'s tree of modules sharing every tensor with it (parameters, buffers
     and the tensors a module keeps as attributes, such as packed weights): a module swapped or
@@ -480,7 +555,7 @@ def build_engine(
         return None, choice
     choice = _compile_choice(engine, compile, tokens)
     if choice.path == "compiled":
-        engine.compile()
+        engine.compile(fallback=compile == "auto")
     logger.info("the target's forwards: %s (%s)", choice.path, choice.why)
     return engine, choice
 

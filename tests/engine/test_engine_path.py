@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from specforge.engine.cache import SlotKVCache
 from specforge.engine.draft import DraftEngine
 from specforge.engine.host_sync import host_sync
 from specforge.engine.target import TargetEngine, build_engine
@@ -17,7 +18,7 @@ from specforge.errors import UserError
 from specforge.models.eagle3 import Eagle3Config, build_draft_model
 from specforge.serving.speculative import SpeculativeDecoder
 from tests.architectures import tiny_config
-from tests.engine.fake_graphs import use_fake_graphs
+from tests.engine.fake_graphs import FakeCudaGraphs, use_fake_graphs
 from tests.helpers import StubDraft, greedy_reference, make_tiny_llama, tiny_draft
 
 VOCAB = 96
@@ -148,3 +149,51 @@ def test_latent_attention_keys_and_values_of_different_sizes_decode_through_the_
     decoder = SpeculativeDecoder(target, stub, aux_layer_ids=AUX, num_steps=3, engine=engine)
     tokens, stats = decoder.generate(prompt, max_new_tokens=24)
     assert tokens == reference[9:] and max(stats.accepted_per_round) >= 2
+
+
+def test_the_engine_compiling_a_target_it_cannot_compile_refuses_where_it_compiles():
+    """The host-sync guard lives in ``compile``: ``TargetEngine(..., compile=True)`` on a
+    dynamic-RoPE target refuses naming the layer instead of failing in dynamo later."""
+    with pytest.raises(UserError, match="rotary_emb .* reads a tensor on the host"):
+        TargetEngine(dynamic_rope_llama(), aux_layer_ids=AUX, compile=True)
+
+
+def test_an_error_in_the_engine_is_a_bug_not_a_refusal(monkeypatch):
+    """Only what the model's own code raises is a refusal (the target decodes through
+    transformers); an error the engine raises propagates, so an engine regression cannot
+    hide as a slower path."""
+
+    def broken(self, slots, span):
+        raise RuntimeError("injected engine bug")
+
+    target = make_tiny_llama(VOCAB, num_layers=2, seed=0).float()
+    monkeypatch.setattr(SlotKVCache, "write_at", broken)
+    with pytest.raises(RuntimeError, match="injected engine bug"):
+        build_engine(target, aux_layer_ids=AUX, compile="auto", tokens=10)
+
+
+def test_a_failed_capture_under_auto_falls_back_to_the_eager_engine(monkeypatch, caplog):
+    """On a GPU ``auto`` captures graphs; a capture that fails (here the suite's CPU model of
+    CUDA graphs, told to fail) leaves the run on the eager engine with one warning naming the
+    reason, outputs unchanged; with ``true`` it raises."""
+    use_fake_graphs(monkeypatch)
+
+    def failing(self, inputs, cache):
+        raise RuntimeError("CUDA error: capture failed (injected)")
+
+    monkeypatch.setattr(FakeCudaGraphs, "_capture", failing)
+    target = make_tiny_llama(VOCAB, num_layers=2, seed=0).float()
+    prompt = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
+    reference = greedy_reference(target, prompt, 12)[20:]
+    with caplog.at_level(logging.WARNING, logger="specforge.engine.target"):
+        engine, path = build_engine(target, aux_layer_ids=AUX, compile="auto", tokens=10)
+        assert path.path == "compiled"
+        assert engine.generate(prompt, max_new_tokens=12) == reference
+        assert engine.generate(prompt, max_new_tokens=12) == reference
+    warned = [r.getMessage() for r in caplog.records if "compiled engine failed" in r.getMessage()]
+    assert len(warned) == 1 and "capture failed (injected)" in warned[0]
+    assert engine.stats.as_dict()["fallback"].endswith("capture failed (injected)")
+    assert not engine.stats.compiled
+    engine, _ = build_engine(target, aux_layer_ids=AUX, compile="true", tokens=10)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        engine.generate(prompt, max_new_tokens=12)
