@@ -138,6 +138,13 @@ def test_train_without_prepared_data_says_to_run_prepare(tmp_path, tiny_target_d
     err = capsys.readouterr().err
     assert code == 2 and "specforge prepare" in err
     assert str(tmp_path / "run" / "conversations.jsonl") in err
+    # what the docs and train --help say of it is what it does
+    reference = " ".join(
+        (Path(__file__).parents[1] / "docs" / "configuration.md").read_text().split()
+    )
+    entry = reference[reference.index("### `train.data_path`") :][:400]
+    assert "is an error that says to run `specforge prepare`" in entry
+    assert "prepared first" not in entry
 
 
 def test_dotted_overrides_are_never_a_flags_value():
