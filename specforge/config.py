@@ -520,6 +520,18 @@ class TrainConfig:
     sampling is lossless whatever the draft learnt, but accepts most where it learnt ``p``.
     Measured on the quickstart's corpus, 0.5 and 0 trained no better draft than 1
     (docs/training.md)."""
+    from_pretrained: str | None = None
+    """Start from a draft on disk instead of a new one: an export directory (``specforge
+    export``'s, of ``draft.type``'s family), fine-tuned on this run's data. Its geometry, its
+    weights and its vocabulary map are kept (``train.rebuild_vocab`` makes a new map from the
+    data); it is checked against the target first (hidden size, vocabulary, RoPE, the aux
+    layers it reads: ``target.aux_layer_ids`` must name them when they are not the default),
+    so a draft of another target is refused before training. ``train.init_from_target`` (a
+    new draft's initialisation, which the recipes set) does not apply, and says so."""
+    rebuild_vocab: bool = False
+    """With ``from_pretrained``: a new vocabulary map from this run's data
+    (``vocab.draft_vocab_size`` ids); ``lm_head`` keeps the draft's rows for the ids both maps
+    hold and takes the target's for the others."""
     init_from_target: bool = False
     """Start the draft's decoder layer from the target's last layer where shapes allow
     (attention on the hidden half of its input, MLP, norms) and ``fc`` as the identity on the
@@ -677,6 +689,8 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.weight_decay < 0:
             raise ConfigError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.rebuild_vocab and not self.from_pretrained:
+            raise ConfigError("train.rebuild_vocab does nothing without train.from_pretrained")
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError(f"train.eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.lr <= 0:

@@ -105,12 +105,7 @@ UPSTREAM_FLAGS: tuple[UpstreamFlag, ...] = (
     _f("--learning-rate", SPECFORGE, "train.lr"),
     _f("--max-length", SPECFORGE, "data.max_length"),
     _f("--warmup-ratio", SPECFORGE, "train.warmup_ratio"),
-    _f(
-        "--ckpt-dir",
-        SPECFORGE,
-        refuse="starting from a published draft is not supported yet; train from the target "
-        "(train.init_from_target) or resume a run of this project (--resume)",
-    ),
+    _f("--ckpt-dir", SPECFORGE, "train.from_pretrained"),
     _f("--eval-interval", SPECFORGE, "train.eval_every"),
     _f("--save-interval", SPECFORGE, "train.save_every"),
     _f("--log-interval", SPECFORGE, "train.log_every"),
@@ -141,12 +136,7 @@ UPSTREAM_FLAGS: tuple[UpstreamFlag, ...] = (
     _f("--trust-remote-code", SPECULATORS, value=False, fixed=("target.trust_remote_code=true",)),
     _f("--speculator-type", SPECULATORS, "draft.type"),
     _f("--draft-config", SPECULATORS, convert="draft_config"),
-    _f(
-        "--from-pretrained",
-        SPECULATORS,
-        refuse="starting from a published draft is not supported yet; train from the target "
-        "(train.init_from_target) or resume a run of this project (--resume)",
-    ),
+    _f("--from-pretrained", SPECULATORS, "train.from_pretrained"),
     _f("--save-path", SPECULATORS, "output_dir"),
     _f("--epochs", SPECULATORS, "train.epochs"),
     _f("--total-seq-len", SPECULATORS, "train.batch_tokens"),

@@ -64,7 +64,7 @@ def test_speculators_flags_become_the_config_they_mean():
     [
         (["--tp-size", "2"], "--tp-size 2 has no equivalent here: shard the target"),
         (["--is-vlm"], "--is-vlm (SpecForge scripts/train_eagle3.py) has no equivalent here"),
-        (["--from-pretrained", "d"], "--from-pretrained (speculators scripts/train.py)"),
+        (["--wandb-project", "p"], "--wandb-project (SpecForge scripts/train_eagle3.py)"),
         (["--report-to", "mlflow"], "--report-to mlflow: mlflow has no equivalent here"),
         (["--learning-rate"], "--learning-rate (SpecForge scripts/train_eagle3.py) needs a value"),
     ],
@@ -75,6 +75,14 @@ def test_a_flag_without_an_equivalent_is_one_line_naming_it(argv, message, capsy
     assert main(["train", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message.split(" (")[0] in err[0]
+
+
+def test_a_published_drafts_flag_starts_from_it():
+    """speculators' ``--from-pretrained`` and SpecForge's ``--ckpt-dir`` name the draft to
+    start from (``train.from_pretrained``)."""
+    for flag in ("--from-pretrained", "--ckpt-dir"):
+        cfg = stage_config(parse_args(["train", flag, "drafts/published"]))
+        assert cfg.train.from_pretrained == "drafts/published"
 
 
 def test_an_unknown_flag_is_one_line_naming_it_for_the_train_command(capsys):

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-from specforge.config import ConfigError
+from specforge.config import ConfigError, VocabConfig
+from specforge.data.chat import end_of_turn_ids
+from specforge.data.vocab import VocabMap, vocab_map_from_samples
 from specforge.errors import UserError
 from specforge.families.family import DraftFamily
 from specforge.io import read_json, read_safetensors
@@ -190,3 +192,86 @@ def export_checks(export_dir: str | Path, target_config) -> list[dict[str, str |
         except (UserError, ValueError) as err:
             report.append({"check": name, "problem": str(err)})
     return report
+
+
+def pretrained_draft(cfg, source, samples, device):
+    """The draft ``train.from_pretrained`` names, to train further: its family's
+    (``draft.type`` must be it), checked against the target and this run's aux layers, with its
+    vocabulary map, or a new one from ``samples`` (``train.rebuild_vocab``: ``lm_head`` keeps
+    the draft's rows of the ids both maps hold and takes the target's for the others). Returns
+    ``(draft, draft_config, vocab_map)`` as a family's ``build`` does.
+
+    Raises:
+        UserError: no export there, another family's, a family that cannot start from an
+            export, or a draft that does not fit the target (naming what differs).
+    """
+    path = Path(cfg.train.from_pretrained)
+    if not (path / "config.json").is_file():
+        raise UserError(
+            f"train.from_pretrained {path} is not an export directory (no config.json): give "
+            "what specforge export wrote"
+        )
+    found, chosen = family_of_export(path), family(cfg.draft.type)
+    if found.name != chosen.name:
+        raise UserError(
+            f"train.from_pretrained {path} is a {found.name} draft, draft.type is "
+            f"{chosen.name}: set --draft-type {found.name}"
+        )
+    if chosen.load_trainable is None:
+        raise UserError(f"a {chosen.name} draft cannot start from an export yet ({path})")
+    aux = found.aux_layer_ids(path, source.head.config)
+    if list(aux) != list(source.aux_layer_ids):
+        raise UserError(
+            f"train.from_pretrained {path} reads the target's layers {list(aux)}, this run "
+            f"{list(source.aux_layer_ids)}: set target.aux_layer_ids={list(aux)}"
+        )
+    draft, config = chosen.load_trainable(path, source.head)
+    vocab = VocabMap(draft.d2t.clone(), draft.t2d.clone())
+    if cfg.train.rebuild_vocab:
+        draft, config, vocab = _with_new_vocabulary(cfg, source, samples, draft, vocab)
+    elif cfg.vocab.draft_vocab_size not in (vocab.draft_vocab_size, VocabConfig().draft_vocab_size):
+        raise UserError(
+            f"vocab.draft_vocab_size {cfg.vocab.draft_vocab_size}: train.from_pretrained {path} "
+            f"keeps its map of {vocab.draft_vocab_size} ids (set train.rebuild_vocab=true for a "
+            "new one)"
+        )
+    draft.lm_head.weight.requires_grad_(not cfg.train.freeze_lm_head)
+    if cfg.train.init_from_target:
+        logger.info("train.init_from_target does not apply: the draft starts from %s", path)
+    logger.info(
+        "starting from %s (%s, %d draft ids%s)",
+        path,
+        found.name,
+        vocab.draft_vocab_size,
+        ", a new vocabulary map" if cfg.train.rebuild_vocab else "",
+    )
+    return draft.to(device), config, vocab
+
+
+def _with_new_vocabulary(cfg, source, samples, draft, old: VocabMap):
+    """``draft`` over a new vocabulary map of ``samples`` (``vocab.draft_vocab_size`` ids):
+    a new draft of the same geometry with its weights, ``lm_head``'s rows moved to the new
+    ids where the old map had them, the target's rows (logit scale folded in) elsewhere."""
+    new, _ = vocab_map_from_samples(
+        samples,
+        vocab_size=source.head.config.vocab_size,
+        draft_vocab_size=cfg.vocab.draft_vocab_size,
+        end_of_turn=end_of_turn_ids(source.tokenizer, source.generation_config),
+    )
+    config = dataclasses.replace(draft.config, draft_vocab_size=new.draft_vocab_size)
+    head = source.head.lm_head.detach().float().cpu() * source.head.transform.scale
+    rows = head[new.hot_ids].clone()
+    position = {int(t): i for i, t in enumerate(old.hot_ids.tolist())}
+    kept = [(i, position[int(t)]) for i, t in enumerate(new.hot_ids.tolist()) if int(t) in position]
+    if kept:
+        to, fro = (torch.tensor(side) for side in zip(*kept, strict=True))
+        rows[to] = draft.lm_head.weight.detach()[fro]
+    state = {k: v for k, v in draft.state_dict().items() if k not in ("lm_head.weight", "d2t")}
+    rebuilt = type(draft)(config)
+    rebuilt.load_state_dict({**state, "lm_head.weight": rows, "d2t": new.d2t, "t2d": new.t2d})
+    logger.info(
+        "train.rebuild_vocab: %d of %d draft ids kept their lm_head rows",
+        len(kept),
+        new.draft_vocab_size,
+    )
+    return rebuilt.train(), config, new

@@ -108,6 +108,11 @@ class DraftFamily:
     naming the setting the family cannot run."""
     capabilities: Capabilities
     engines: EngineMethods
+    load_trainable: Callable[..., tuple[Any, Any]] | None = None
+    """``load_trainable(export_dir, head) -> (draft, draft_config)``: an export of this family
+    as a draft to train further (``train.from_pretrained``), float32 on the CPU, checked
+    against the target (``head``: :class:`~specforge.models.target.TargetHead`); ``None``:
+    the family cannot start from an export."""
     extends: str | None = None
     """The family whose export layout this one's extends (its exports are recognised first)."""
 

@@ -41,7 +41,7 @@ from specforge.data.chat import TokenizedSample
 from specforge.data.vocab import save_vocab_map
 from specforge.distributed import Distributed, setup_distributed
 from specforge.errors import Interrupted, UserError
-from specforge.families import family
+from specforge.families import family, pretrained_draft
 from specforge.families.family import DraftFamily
 from specforge.models.eagle3 import FROZEN_WEIGHTS
 from specforge.recipes.stage import start_stage
@@ -200,8 +200,10 @@ def setup(cfg: SpecForgeConfig) -> TrainingRun:
     # 1. hidden states and data
     source = hidden_state_source(cfg, ranks, device)
     train_samples, eval_samples, eval_data = split_samples(cfg, source)
-    # 2. the draft (and its vocabulary map, where the family has one), from the target
-    draft, draft_config, vocab_map = draft_family.build(cfg, source, train_samples, device)
+    # 2. the draft (and its vocabulary map, where the family has one), from the target or
+    # from a draft on disk (train.from_pretrained)
+    start = pretrained_draft if tc.from_pretrained else draft_family.build
+    draft, draft_config, vocab_map = start(cfg, source, train_samples, device)
     vocabulary = draft_family.vocabulary(cfg, draft, draft_config, device)
     # 3. optimizer, resume, and the objective DDP wraps
     optimizer = build_optimizer(

@@ -20,6 +20,7 @@ IGNORED = [
     ("dflash", "train.target_temperature=0"),
     ("dflash", "draft.variant=eagle3.1"),
     ("dflash", "train.on_policy.steps=2"),
+    ("dflash", "train.from_pretrained=outputs/export"),
     ("eagle3", "draft.block_size=4"),
     ("eagle3", "draft.block_labels=soft"),
     ("eagle3", "draft.anchors=8"),

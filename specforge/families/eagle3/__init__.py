@@ -142,6 +142,19 @@ def load_export(export_dir, *, target, dtype, quantize="none", prepack=False, lo
     return draft
 
 
+def load_trainable(export_dir, head, *, loader=None):
+    """An export as a draft to train further (``train.from_pretrained``): float32 on the CPU,
+    in training mode, checked against the target (``head``: its config and embedding, which
+    the draft shares frozen)."""
+    draft = (loader or load_exported_draft)(
+        export_dir,
+        target_config=head.config,
+        target_embedding=head.embed_tokens.detach().float().cpu(),
+        dtype=torch.float32,
+    )
+    return draft.train(), draft.config
+
+
 def exported_config(exported: dict, where: str, config_class=Eagle3Config) -> Eagle3Config:
     """The draft config an export's ``config.json`` describes."""
     fields = {f.name for f in dataclasses.fields(config_class)}
@@ -198,6 +211,8 @@ FAMILY = DraftFamily(
         "train.loss",
         "train.target_temperature",
         "train.on_policy.steps",
+        "train.from_pretrained",
+        "train.rebuild_vocab",
     ),
     build=build,
     objective=objective,
@@ -207,6 +222,7 @@ FAMILY = DraftFamily(
     write_export=write_export,
     recognizes=recognizes,
     load_export=load_export,
+    load_trainable=load_trainable,
     export_checks=export_checks,
     aux_layer_ids=lambda export_dir, target: exported_aux_layer_ids(
         export_dir, text_config(target).num_hidden_layers

@@ -118,6 +118,10 @@ FAMILY = dataclasses.replace(
         eagle3.load_export,
         loader=partial(load_exported_draft, model_class=PEagleDraftModel, extra=mask_tensors),
     ),
+    load_trainable=partial(
+        eagle3.load_trainable,
+        loader=partial(load_exported_draft, model_class=PEagleDraftModel, extra=mask_tensors),
+    ),
     export_checks=export_checks,
     draft_config=export_draft_config,
     proposer=proposer,
