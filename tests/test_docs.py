@@ -5,6 +5,7 @@ made."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -532,3 +533,46 @@ def test_every_list_of_question_sets_names_them_all():
         if "`gsm8k`" in text:
             missing = [s for s in EVAL_SETS if f"`{s}`" not in text and f",{s}" not in text]
             assert not missing, (name, missing)
+
+
+def test_a_recipe_says_only_what_it_sets():
+    """A shipped recipe's header names a setting in parentheses only where the recipe sets it,
+    and promises a dataset only where ``data.inputs`` lists one or the header says the data
+    comes from ``--data`` (a recipe promised ShareGPT + UltraChat with ``inputs: []``)."""
+    import yaml
+
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        text = path.read_text()
+        header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+        values = yaml.safe_load(text) or {}
+        for key in re.findall(r"\(([a-z_]+\.[a-z_.]+)\)", header):
+            node = values
+            for part in key.split("."):
+                assert isinstance(node, dict) and part in node, f"{path.name}: {key} not set"
+                node = node[part]
+        inputs = values.get("data", {}).get("inputs")
+        for dataset in ("ShareGPT", "UltraChat"):
+            if dataset in header and not inputs:
+                said = "--data" in header or "data.inputs=" in header
+                assert said, f"{path.name} names {dataset} but lists no inputs"
+
+
+DEFAULT_CLAIM = re.compile(r"`([a-z_]+\.[a-z_.]+)`[^.;|`]{0,60}?\(([\w.-]+) by default")
+
+
+def test_a_default_stated_in_prose_is_the_codes():
+    """``(N by default)`` after a config key in any page is that key's dataclass default (a
+    page said 7 for ``train.ttt_length`` where another said 3)."""
+    import yaml
+
+    from specforge.config import SpecForgeConfig
+
+    defaults, checked = SpecForgeConfig(), 0
+    sections = {f.name for f in dataclasses.fields(SpecForgeConfig)}
+    for page in DOC_FILES:
+        for key, value in DEFAULT_CLAIM.findall(" ".join(page.read_text().split())):
+            if key.split(".")[0] not in sections:
+                continue
+            assert yaml.safe_load(value) == _setting(defaults, key), (page.name, key, value)
+            checked += 1
+    assert checked >= 1
