@@ -3,6 +3,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from specforge.cli import (
     FLAG_NAMES,
@@ -239,13 +240,24 @@ def test_vllm_args_take_the_words_after_them_dashes_and_all():
 def test_a_prompt_past_the_targets_context_is_refused_before_decoding(
     tmp_path, tiny_target_dir, capsys
 ):
+    from transformers import AutoConfig
+
+    from specforge.families.dflash.export import write_dflash_export
+    from specforge.families.dflash.model import DFlashConfig, build_dflash_model
+
+    target_config = AutoConfig.from_pretrained(tiny_target_dir)
+    config = DFlashConfig.from_target(target_config, mask_token_id=0, block_size=4)
+    shape = (target_config.vocab_size, target_config.hidden_size)
+    draft = build_dflash_model(
+        config, target_embedding=torch.zeros(shape), target_lm_head=torch.zeros(shape)
+    )
+    export = write_dflash_export(
+        tmp_path / "export", model=draft, target_config=target_config, dtype="float32"
+    )
     questions = tmp_path / "long.jsonl"
     long = " ".join(["word"] * 2100)
     questions.write_text(json.dumps({"question_id": 7, "category": "x", "turns": [long]}) + "\n")
     argv = ["bench", "--target", str(tiny_target_dir), "--questions", str(questions)]
-    err = _one_line_error(capsys, [*argv, "--draft", str(tmp_path / "no-export")])
+    argv += ["--draft", str(export), "--num-steps", "3", "--max-new-tokens", "4"]
+    err = _one_line_error(capsys, argv)
     assert "question '7' is" in err and "past the target's context of 2048 tokens" in err
-    long = " ".join(["word"] * 380)  # fits, but its answer may not: said, not refused
-    questions.write_text(json.dumps({"question_id": 8, "category": "x", "turns": [long]}) + "\n")
-    err = _one_line_error(capsys, [*argv, "--draft", str(tmp_path / "no-export")])
-    assert "no-export is not an export directory" in err

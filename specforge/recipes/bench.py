@@ -27,7 +27,6 @@ from specforge.families import drafting_depth, family_of_export
 from specforge.models.adapter import text_config
 from specforge.models.target import load_target, load_target_config, load_tokenizer
 from specforge.recipes.stage import start_stage
-from specforge.serving.adaptive import ConfidenceCalibration
 from specforge.serving.bench import BenchTally, MethodComparison, bench_report, write_report
 from specforge.serving.speculative import SpeculativeDecoder
 
@@ -122,21 +121,20 @@ def build_comparison(cfg: SpecForgeConfig, turns: int) -> tuple[MethodComparison
 
 
 def checked_inputs(cfg: SpecForgeConfig, questions_source: str):
-    """What the built-in bench runs on, checked before any model loads: the questions (none
-    past the target's context) and the export, at the depth its family drafts
-    (:func:`specforge.families.drafting_depth`); returns ``cfg`` with that depth and the
-    questions.
+    """What the built-in bench runs on, checked before any model loads: the export, at the
+    depth its family drafts (:func:`specforge.families.drafting_depth`), then the questions
+    (none past the target's context); returns ``cfg`` with that depth and the questions.
 
     Raises:
-        UserError: a question past the context, no export, or a depth the family cannot draft.
+        UserError: no export, a depth the family cannot draft, or a question past the context.
     """
     bc = cfg.bench
+    if not (cfg.bench_draft / "config.json").is_file():
+        raise UserError(f"{cfg.bench_draft} is not an export directory: run specforge export")
+    steps = drafting_depth(cfg.bench_draft, bc.num_steps, bc.topk)  # the export alone decides
     questions = load_questions(questions_source, limit=bc.limit)
     context = getattr(text_config(load_target_config(cfg.target)), "max_position_embeddings", None)
     check_context(questions, load_tokenizer(cfg.target), bc, context)
-    if not (cfg.bench_draft / "config.json").is_file():
-        raise UserError(f"{cfg.bench_draft} is not an export directory: run specforge export")
-    steps = drafting_depth(cfg.bench_draft, bc.num_steps, bc.topk)
     return dataclasses.replace(cfg, bench=dataclasses.replace(bc, num_steps=steps)), questions
 
 
@@ -188,19 +186,7 @@ def bench(cfg: SpecForgeConfig) -> dict[str, Any]:
                 tok_s=f"{tally.tokens['eagle3'] / max(tally.seconds['eagle3'], 1e-9):.1f}",
             )
     progress.close()
-    calibration = None
-    if decoder.auto:
-        calibration = {
-            **decoder.policy.costs.as_dict(),
-            "final_acceptance_estimate": [round(r, 4) for r in decoder.policy.estimate.rates()],
-            # greedy: measured acceptance at the centre of each bin of the draft's confidence
-            "acceptance_by_confidence": _by_bin(decoder.policy.confidence),
-            # the draft's first token where prompt lookup proposes another first token, the same
-            "first_acceptance_by_confidence_with_lookup": {
-                "differs": _by_bin(decoder.policy.lookup_confidence[False]),
-                "agrees": _by_bin(decoder.policy.lookup_confidence[True]),
-            },
-        }
+    calibration = decoder.policy.report()  # None at a fixed depth
     result = bench_report(tally, bench_settings(cfg, questions_source), calibration)
     result["engine"] = {"path": path.path, "why": path.why}
     if comparison.engine is not None:
@@ -276,14 +262,6 @@ def check_context(questions, tokenizer, bc, context: int | None) -> None:
                 bc.max_new_tokens,
                 context,
             )
-
-
-def _by_bin(calibration: ConfidenceCalibration) -> list[float]:
-    """The acceptance a confidence calibration measured at the centre of each of its bins."""
-    return [
-        round(calibration.acceptance((b + 0.5) / calibration.bins), 3)
-        for b in range(calibration.bins)
-    ]
 
 
 def _bench_sglang(cfg: SpecForgeConfig, questions: str) -> dict[str, Any]:

@@ -25,7 +25,6 @@ from specforge.serving.adaptive import (
     Dormancy,
     best_depth,
     best_siblings,
-    first_acceptance,
     round_rate,
     tree_rate,
 )
@@ -145,18 +144,38 @@ class Plan:
 
 
 class FixedDepth:
-    """``num_steps`` draft tokens (or tree levels) every round."""
-
-    costs = None
-    lookup = None
+    """``num_steps`` draft tokens (or tree levels) every round: it learns nothing, so every
+    hook of the policy protocol (:class:`AutoPolicy`'s) but :meth:`plan` does nothing."""
 
     def __init__(self, num_steps: int):
         self.num_steps = num_steps
+        self.costs: CostModel | None = None
 
     def plan(self, proposer: EagleProposer) -> Plan:
         return Plan(self.num_steps)
 
+    def needs_costs(self) -> bool:
+        return False
+
+    def use_costs(self, costs: CostModel) -> None:
+        self.costs = costs
+
+    def widths(self) -> tuple[int, int]:
+        return 0, 0
+
+    def begin_round(self, prompt: torch.Tensor, output: list[int], *, awake: bool) -> None:
+        pass
+
+    def end_round(self, tokens: list[int]) -> None:
+        pass
+
     def observe(self, plan: Plan, outcome: Outcome, proposer: EagleProposer, stats) -> None:
+        pass
+
+    def observe_plain(self, seconds: float) -> None:
+        pass
+
+    def observe_other(self, seconds: float) -> None:
         pass
 
     def sleeping(self) -> bool:
@@ -164,6 +183,9 @@ class FixedDepth:
 
     def woke(self, depth: int) -> None:
         pass
+
+    def report(self) -> dict | None:
+        return None
 
 
 def new_policy(num_steps: int, *, auto: bool, **settings) -> FixedDepth | AutoPolicy:
@@ -237,6 +259,57 @@ class AutoPolicy:
     def sampling(self) -> bool:
         return self.temperature > 0
 
+    # -- what the runtime asks and tells (the policy protocol; FixedDepth's do nothing) ------
+
+    def needs_costs(self) -> bool:
+        """Whether this device's round costs are still to be measured (before the first
+        sequence: the runtime's ``calibrate``)."""
+        return self.costs is None
+
+    def use_costs(self, costs: CostModel) -> None:
+        self.costs = costs
+
+    def widths(self) -> tuple[int, int]:
+        """The most first-position siblings a round verifies beside the chain, and the most
+        prompt-lookup tokens: what the target's caches and graphs must make room for."""
+        return self.max_siblings, self.lookup.tokens if self.lookup is not None else 0
+
+    def begin_round(self, prompt: torch.Tensor, output: list[int], *, awake: bool) -> None:
+        """Before a round after ``output`` so far: prompt lookup's proposal (when it
+        competes) from the ``prompt`` (T,) and the output."""
+        if self.lookup is not None:
+            self.lookup.propose(prompt, output, awake=awake)
+
+    def end_round(self, tokens: list[int]) -> None:
+        """After a round that emitted ``tokens``: prompt lookup learns from them."""
+        if self.lookup is not None:
+            self.lookup.learn(tokens)
+
+    def observe_plain(self, seconds: float) -> None:
+        """A round the draft slept through verified one token in ``seconds``."""
+        self.costs.observe_verify(1, seconds)
+
+    def observe_other(self, seconds: float) -> None:
+        """A round's time outside drafting and verification."""
+        self.costs.observe_other(seconds)
+
+    def report(self) -> dict:
+        """What ``bench.json`` records of ``auto`` (its ``calibration``): the costs, the final
+        acceptance estimates, and the measured acceptance at the centre of each bin of the
+        draft's confidence (greedy), for the first token also by whether prompt lookup
+        proposed the same."""
+        return {
+            **self.costs.as_dict(),
+            "final_acceptance_estimate": [round(r, 4) for r in self.estimate.rates()],
+            "acceptance_by_confidence": _by_bin(self.confidence),
+            "first_acceptance_by_confidence_with_lookup": {
+                "differs": _by_bin(self.lookup_confidence[False]),
+                "agrees": _by_bin(self.lookup_confidence[True]),
+            },
+        }
+
+    # -- planning and learning ---------------------------------------------------------------
+
     def plan(self, proposer: EagleProposer) -> Plan:
         """1. This round: greedy, prompt lookup's tokens alone, or the chain drafted token by
         token (a tree where siblings or lookup's tokens go beside it); sampling, the depth
@@ -267,10 +340,8 @@ class AutoPolicy:
             return
         self.learn(outcome.depth, outcome.accepted, outcome.bonus, [], None)
         if not outcome.depth:  # sampling: the first draft token's chance, had it run
-            draft_probs = warp_probs(proposer.state.logits, self.temperature, self.top_p)
             target_probs = warp_probs(outcome.target_logits[-1], self.temperature, self.top_p)
-            hot_ids = proposer.draft_model.hot_ids
-            self.estimate.counts.observe(1, first_acceptance(draft_probs, target_probs[hot_ids]))
+            self.estimate.counts.observe(1, proposer.first_acceptance(target_probs))
 
     def observe_tree(self, plan: Plan, path: list[int], outcome: Outcome, stats) -> None:
         """3. What a fan's tree round teaches: its cost, the siblings' confidences, and the
@@ -407,16 +478,15 @@ class AutoPolicy:
         while a deeper depth still pays. Returns the tokens (K,) or ``None``, the draft's
         probability of each, and the declined candidate ``(token, q)`` (``None`` if there was
         none: depth reached or no step taken)."""
-        state = proposer.state
-        logits, hidden, position = state.logits, state.hidden, state.length - 1
+        walk = proposer.walk()
+        token, q = next(walk)
         rates = self.estimate.rates()
         tokens, probs, known = [], [], []
         while True:
-            q, draft_id = logits.float().softmax(-1).max(-1)
-            token, q = proposer.draft_model.to_target_ids(draft_id[None]), float(q)
             depth = len(tokens)
             guess = [*known, self._calibration(depth + 1).acceptance(q), *rates[depth + 1 :]]
             if best_depth(guess, self.costs) <= depth:
+                walk.close()
                 # K x (1,) -> (K,)
                 return (torch.cat(tokens) if tokens else None), probs, (int(token), q)
             tokens.append(token)
@@ -424,8 +494,9 @@ class AutoPolicy:
             known.append(guess[depth])
             depth += 1
             if depth == self.num_steps or best_depth([*known, *rates[depth:]], self.costs) <= depth:
+                walk.close()
                 return torch.cat(tokens), probs, None
-            logits, hidden = proposer.step(token, hidden, position + depth, state.cache)
+            token, q = walk.send(True)
 
     def _siblings(self, candidates, tokens, probs: list[float], candidate):
         """Greedy ``auto``: the first position's next most likely draft tokens (of
@@ -479,3 +550,11 @@ class AutoPolicy:
     def _calibrated(self, probs: list[float]) -> list[float]:
         """The calibrated acceptance of a chain whose tokens the draft gave ``probs``."""
         return [self._calibration(k).acceptance(q) for k, q in enumerate(probs, start=1)]
+
+
+def _by_bin(calibration: ConfidenceCalibration) -> list[float]:
+    """The acceptance a confidence calibration measured at the centre of each of its bins."""
+    return [
+        round(calibration.acceptance((b + 0.5) / calibration.bins), 3)
+        for b in range(calibration.bins)
+    ]

@@ -167,10 +167,9 @@ class SpeculativeDecoder:
             crop_cache(target_cache, context)
 
         draft_step = self.proposer.timed_step(ids, aux)  # what a round's draft step runs
-        self.policy.costs = calibrate(
-            verify, draft_step, max_depth=self._widest_chain, clock=self._clock
-        )
-        return self.policy.costs
+        costs = calibrate(verify, draft_step, max_depth=self._widest_chain, clock=self._clock)
+        self.policy.use_costs(costs)
+        return costs
 
     @torch.no_grad()
     def prepare(self, tokens: int, widest: int = 0) -> int:
@@ -193,16 +192,14 @@ class SpeculativeDecoder:
     @property
     def _widest(self) -> int:
         """The most tokens a round's verification forward runs."""
-        siblings = self.policy.max_siblings if self.auto else 0
+        siblings, _ = self.policy.widths()
         return 1 + max(self._widest_chain, self.num_draft_tokens or 0) + siblings
 
     @property
     def _widest_chain(self) -> int:
         """The most tokens a round verifies after its last token, siblings aside: the draft's
         depth, or prompt lookup's longer proposals (``lookup_tokens``)."""
-        return max(
-            self.num_steps, self.policy.lookup.tokens if self.policy.lookup is not None else 0
-        )
+        return max(self.num_steps, self.policy.widths()[1])
 
     def _clock(self) -> float:
         """Wall time, after the device's queued work (so phases are timed on CUDA too)."""
@@ -279,7 +276,7 @@ class SpeculativeDecoder:
         token alone, keeping the aux row the draft extends over when it wakes."""
         token = torch.tensor([[next_token]], device=self.device)
         logits, aux, seconds = self._verify(stats, self.verifier.forward, token, target_cache)
-        self.policy.costs.observe_verify(1, seconds)
+        self.policy.observe_plain(seconds)
         stats.depth_per_round.append(0)
         stats.dormant_rounds += 1
         return [self._plain_token(logits[-1])], 0, aux
@@ -296,7 +293,7 @@ class SpeculativeDecoder:
         start = self._clock()
         tree = self.proposer.tree(
             topk=self.topk, num_steps=self.num_steps, num_draft_tokens=self.num_draft_tokens
-        )
+        ).within(self._room - 1)  # no level past what the turn can still use
         stats.draft_seconds += self._clock() - start
         # 2. verify root + tree in one forward with the tree mask
         verify = self.verifier.tree
@@ -307,7 +304,7 @@ class SpeculativeDecoder:
             path, bonus = accept_tree_sampling(tree, target_probs, self.generator)
         else:
             path, bonus = accept_greedy(tree, target_logits)
-        stats.depth_per_round.append(self.num_steps)
+        stats.depth_per_round.append(min(self.num_steps, self._room - 1))
         return self.verifier.keep_path(tree, path, bonus, length, target_cache, aux)
 
     # -- a sequence ----------------------------------------------------------------------------
@@ -330,25 +327,25 @@ class SpeculativeDecoder:
         decodes alone. Returns the emitted tokens and whether the draft slept."""
         round_start, measured = self._clock(), stats.draft_seconds + stats.verify_seconds
         asleep = self.policy.sleeping()
-        if self.policy.lookup is not None:
-            self.policy.lookup.propose(self._prompt[0], output, awake=not asleep)
+        self.policy.begin_round(self._prompt[0], output, awake=not asleep)
         if asleep:
             new_tokens, accepted, aux = self._plain_round(next_token, target_cache, stats)
         else:
             if self.proposer.catch_up():
                 stats.extend_seconds += self._clock() - round_start
-            round_ = self._chain_round if self.topk == 1 else self._tree_round
+            # a tree round with one token left would verify none: a plain chain round
+            tree = self.topk > 1 and self._room > 1
+            round_ = self._tree_round if tree else self._chain_round
             new_tokens, accepted, aux = round_(next_token, length, target_cache, stats)
             self.policy.woke(stats.depth_per_round[-1])
-        if self.policy.lookup is not None:
-            self.policy.lookup.learn(new_tokens)
+        self.policy.end_round(new_tokens)
         stats.verifications += 1
         stats.accepted_per_round.append(accepted)
         self.proposer.accepted(new_tokens, aux)
         if self.auto and stats.verifications > 1 and not asleep:
             # the time outside drafting and verification (the extension included)
             inside = stats.draft_seconds + stats.verify_seconds - measured
-            self.policy.costs.observe_other(self._clock() - round_start - inside)
+            self.policy.observe_other(self._clock() - round_start - inside)
         return new_tokens
 
     @torch.no_grad()
@@ -364,7 +361,7 @@ class SpeculativeDecoder:
         ``generator`` seeds sampling (reproducibility: the class docstring). Returns the new
         token ids (EOS included when generated) and the round statistics."""
         input_ids = input_ids.to(self.device)
-        if self.auto and self.policy.costs is None:
+        if self.policy.needs_costs():
             self.calibrate(input_ids)  # once per decoder, before anything is timed
         start_time = self._clock()
         stats = SpecStats(num_steps=self.num_steps)

@@ -49,6 +49,20 @@ class DraftTree:
                 mask[i] |= mask[parent]
         return mask
 
+    def within(self, depth: int) -> DraftTree:
+        """The tree without its nodes deeper than ``depth`` (every node's ancestors are
+        shallower, so what is left is a tree, parents still before children)."""
+        keep = self.depths <= depth
+        if bool(keep.all()):
+            return self
+        index = keep.long().cumsum(0) - 1
+        parents = self.parents[keep]
+        return DraftTree(
+            tokens=self.tokens[keep.to(self.tokens.device)],
+            parents=torch.where(parents >= 0, index[parents.clamp(min=0)], parents),
+            depths=self.depths[keep],
+        )
+
     def children(self, node: int) -> list[int]:
         """Indices of the children of ``node`` (``-1`` = root)."""
         return [i for i, parent in enumerate(self.parents.tolist()) if parent == node]

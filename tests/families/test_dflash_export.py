@@ -157,7 +157,7 @@ def test_a_broken_export_is_refused_naming_every_problem(exported, tmp_path):
     assert "eagle_aux_hidden_state_layer_ids must be" in message
 
 
-def test_specforge_bench_serves_a_dflash_export(tmp_path, tiny_target_dir):
+def test_specforge_bench_serves_a_dflash_export(tmp_path, tiny_target_dir, capsys):
     from transformers import AutoModelForCausalLM
 
     from specforge.cli import main
@@ -182,6 +182,15 @@ def test_specforge_bench_serves_a_dflash_export(tmp_path, tiny_target_dir):
     assert result["all_match"] is True and result["turns"] == 2
     assert result["settings"]["draft_family"] == "dflash"
     assert result["sglang_advice"] is None  # EAGLE-3 launch flags would not fit it
+    # settings the block draft cannot run: one line naming them, before any model loads
+    missing = f"target.name_or_path={tmp_path / 'no-target'}"  # checked after, never reached
+    for flags, message in (
+        (["--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6"], "drafts chains only"),
+        (["--num-steps", "5"], "drafts at most 3 tokens a round"),
+    ):
+        argv = ["bench", "--draft", str(out), "--questions", str(questions), *flags]
+        assert main([*argv, missing]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_a_scaled_logit_target_gives_the_block_draft_its_own_logits(tmp_path):

@@ -83,7 +83,7 @@ def test_eos_inside_an_accepted_block_stops_exactly(target):
 def test_no_round_verifies_past_the_turns_budget(target):
     """A round emits at most its verified tokens and the target's own: the last rounds verify
     only what the budget can still use (23 tokens after the prefill's: 6 + 6 + 6, then a chain
-    of 4 and the target's token)."""
+    of 4 and the target's token), a tree's levels too."""
     torch.manual_seed(0)
     prompt = torch.randint(0, VOCAB, (1, 6))
     reference = greedy_reference(target, prompt, 30)
@@ -95,6 +95,18 @@ def test_no_round_verifies_past_the_turns_budget(target):
     )
     for budget, depths in ((24, [5, 5, 5, 4]), (8, [5, 0]), (2, [0])):
         tokens, stats = decoder.generate(prompt, max_new_tokens=budget)
+        assert tokens == reference[prompt.shape[1] :][:budget]
+        assert stats.depth_per_round == depths
+    trees = SpeculativeDecoder(
+        target,
+        StubDraft(reference, lambda t: False, VOCAB, sure=30.0),
+        aux_layer_ids=[1, 1, 0],
+        num_steps=3,
+        topk=2,
+        num_draft_tokens=6,
+    )
+    for budget, depths in ((6, [3, 0]), (4, [2]), (9, [3, 3])):
+        tokens, stats = trees.generate(prompt, max_new_tokens=budget)
         assert tokens == reference[prompt.shape[1] :][:budget]
         assert stats.depth_per_round == depths
 

@@ -20,6 +20,7 @@ from specforge.engine.cache import SlotKVCache, crop_cache
 from specforge.engine.draft import DraftEngine
 from specforge.engine.generation import warp_probs
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
+from specforge.serving.adaptive import first_acceptance
 from specforge.serving.tree import build_tree
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,29 @@ class EagleProposer:
                 break
             logits, hidden = self.step(token, hidden, position + 1 + k, state.cache)
         return torch.cat(tokens), (torch.stack(dists) if self.sampling else None)
+
+    def walk(self):
+        """Greedy stepping (``auto`` drafts token by token): a generator that yields the
+        draft's most likely next token (target id, (1,)) and its probability, position by
+        position from the state after the last accepted token; ``send(True)`` takes a draft
+        step with the token it yielded, closing it ends the walk."""
+        state = self.state
+        logits, hidden, position = state.logits, state.hidden, state.length - 1
+        depth = 0
+        while True:
+            q, draft_id = logits.float().softmax(-1).max(-1)
+            token = self.draft_model.to_target_ids(draft_id[None])
+            if not (yield token, float(q)):
+                return
+            depth += 1
+            logits, hidden = self.step(token, hidden, position + depth, state.cache)
+
+    def first_acceptance(self, target_probs: torch.Tensor) -> float:
+        """The chance that sampling verification accepts the draft's next token, drawn as
+        :meth:`token` draws it, against the target's distribution ``target_probs`` (V,)
+        (:func:`~specforge.serving.adaptive.first_acceptance` on the draft vocabulary)."""
+        draft_probs = warp_probs(self.state.logits, self.temperature, self.top_p)
+        return first_acceptance(draft_probs, target_probs[self.draft_model.hot_ids])
 
     def candidates(self, count: int) -> list[tuple[int, float]]:
         """The draft's ``count`` most likely first tokens ``(target id, q)``, most likely
