@@ -209,7 +209,11 @@ def _check_messages(messages: list[dict[str, str]]) -> None:
 
 
 def _iter_source(source: str, split: str) -> Iterator[tuple[str, Any]]:
-    """Yield ``(location, raw record)`` pairs from a file, a saved dataset, or an HF name."""
+    """Yield ``(location, raw record)`` pairs from a file, a saved dataset, or an HF name; a
+    dataset (saved or by name) may name its own split after a colon
+    (``HuggingFaceH4/ultrachat_200k:train_sft``), else ``split``."""
+    if not Path(source).exists() and ":" in source:
+        source, split = source.rsplit(":", 1)
     path = Path(source)
     if path.is_file():
         if path.suffix == ".jsonl":

@@ -128,19 +128,30 @@ class Plan:
     """The chain is prompt lookup's, not the draft's."""
 
     def capped(self, room: int) -> Plan:
-        """This plan verifying at most ``room`` tokens after the last: a longer chain cut (a
-        round emits at most its verified tokens and the target's own, so past what is left of
-        the turn's budget a token costs verification and cannot be used). The cut chain's
-        declined candidate is dropped: it is not the token after the cut. A tree (a greedy
-        ``auto`` fan) is kept whole: it never runs deeper than the depth ``auto`` chooses."""
-        if self.tree is not None or self.depth <= room:
+        """This plan verifying at most ``room`` tokens after the last (a round emits at most
+        its verified tokens and the target's own, so past what is left of the turn's budget a
+        token costs verification and cannot be used): a longer chain cut, a deeper tree (a
+        greedy ``auto`` fan) without its levels past ``room``, its chains' node lists with it
+        (no room at all: a plain round). The cut chain's declined candidate is dropped: it is
+        not the token after the cut."""
+        if self.depth <= room:
             return self
         fan = self.fan
         if fan is not None:
-            fan = replace(fan, chain=fan.chain[:room], probs=fan.probs[:room], candidate=None)
+            cut = {
+                "chain": fan.chain[:room],
+                "probs": fan.probs[:room],
+                "lookup": fan.lookup[:room],
+            }
+            fan = replace(fan, **cut, candidate=None, siblings=fan.siblings if room else 0)
+        if self.tree is not None and room:
+            kept = (self.tree.depths <= room).tolist()
+            index = [sum(kept[:n]) for n in range(len(kept))]
+            paths = [[index[n] for n in path if kept[n]] for path in self.paths]
+            return replace(self, depth=room, tree=self.tree.within(room), paths=paths, fan=fan)
         tokens = None if self.tokens is None else self.tokens[:room]
         dists = None if self.dists is None else self.dists[:room]
-        return replace(self, depth=room, tokens=tokens, dists=dists, fan=fan)
+        return replace(self, depth=room, tokens=tokens, dists=dists, fan=fan, tree=None, paths=[])
 
 
 class FixedDepth:

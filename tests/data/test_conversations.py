@@ -144,6 +144,9 @@ def test_saved_hf_dataset_folder(tmp_path):
     assert [c.id for c in train] == ["a", "d"] and [c.id for c in test] == ["t"]
     with pytest.raises(ValueError, match="no split 'validation'"):
         read_conversations(str(tmp_path / "ds"), split="validation")
+    # a source may name its own split (UltraChat's is train_sft beside ShareGPT's train)
+    both = load_conversations([str(tmp_path / "ds"), f"{tmp_path / 'ds'}:test"])
+    assert [c.id for c in both] == ["ds/a", "ds/d", "ds:test/t"]
 
 
 def test_load_several_sources_prefixes_ids_and_limits(tmp_path):
