@@ -17,7 +17,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from verify_cost import median_ms
+from common import median_ms
 
 from specforge.engine.cpu.decode_kernel import kernel_decode_attention, load_decode_kernel
 from specforge.results import write_result

@@ -22,10 +22,9 @@ import argparse
 import os
 import platform
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
+from common import profiled
 
 from specforge.config import TargetConfig
 from specforge.data.chat import pad_id_of, prompt_ids
@@ -54,21 +53,6 @@ def sync(model) -> None:
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@contextmanager
-def profiled(device: torch.device) -> Iterator[None]:
-    """Prints PyTorch's profiler tables of the block: host time by operator, and on a GPU its
-    own time by kernel."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        yield
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-    if cuda:
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
 
 
 def main() -> None:

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from common import bench, export_once, specforge
 
 from specforge.families import REGISTRY, family_of_export
 from specforge.results import write_result
@@ -41,28 +41,6 @@ from specforge.results import write_result
 def recipe(family: str) -> str:
     """The family's recipe on the embedded default."""
     return f"configs/smollm2-135m-{family}.yaml"
-
-
-def specforge(*arguments: str) -> None:
-    """Run ``specforge ARGUMENTS`` with this interpreter; stop on a failure."""
-    command = [sys.executable, "-m", "specforge.cli", *arguments]
-    print("$", " ".join(command[2:]), flush=True)
-    subprocess.run(command, check=True)
-
-
-def bench(out: Path, *arguments: str) -> dict:
-    """``specforge bench ARGUMENTS --output OUT``, skipped when ``OUT/bench.json`` is there;
-    returns that bench.json."""
-    if not (out / "bench.json").is_file():
-        specforge("bench", *arguments, "--output", str(out))
-    return json.loads((out / "bench.json").read_text())
-
-
-def export_once(common: list[str], export: Path) -> None:
-    """``specforge export COMMON`` of a run's newest checkpoint to ``export``, skipped when an
-    export is there."""
-    if not (export / "config.json").is_file():
-        specforge("export", *common, f"export.output={export}")
 
 
 def run_arm(arm: list[str], args, first: bool) -> dict:

@@ -31,13 +31,14 @@ from pathlib import Path
 
 import torch
 import yaml
-from draft_family_ab import bench, export_once, specforge
+from common import bench, export_once, specforge
 
 from specforge.config import SpecForgeConfig, from_dict, load_config
 from specforge.data.batching import collate
 from specforge.distributed import setup_distributed
+from specforge.families import load_checkpoint_draft
 from specforge.results import figures_markdown, write_result
-from specforge.trainer.checkpoint import latest_sound_checkpoint, load_draft, read_trainer_state
+from specforge.trainer.checkpoint import latest_sound_checkpoint, read_trainer_state
 from specforge.trainer.sources import OnlineTarget
 from specforge.trainer.ttt import TTTObjective
 
@@ -116,7 +117,9 @@ def replayed_taus(runs: dict[str, Path], recipe: Path, answers_file: Path, depth
     )
     source = OnlineTarget(cfg, setup_distributed("cpu"), "cpu")
     drafts = {
-        name: load_draft(latest_sound_checkpoint(run / "checkpoints"), source.head.embed_tokens)
+        name: load_checkpoint_draft(
+            latest_sound_checkpoint(run / "checkpoints"), source.head.embed_tokens
+        )
         for name, run in runs.items()
     }
     first = next(iter(drafts.values()))

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import median_ms
 
 from specforge.config import TORCH_DTYPES, TargetConfig, torch_dtype
 from specforge.engine.cache import crop_cache
@@ -39,16 +40,6 @@ from specforge.models.eagle3 import DraftKVCache, Eagle3Config, build_draft_mode
 from specforge.models.target import default_aux_layer_ids, load_target
 from specforge.results import write_result
 from specforge.serving.speculative import SpeculativeDecoder
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 @torch.no_grad()
@@ -140,7 +131,7 @@ def main() -> None:
         return call
 
     draft_cache = DraftKVCache()
-    _, hidden = runtime._draft_extend(prompt, aux, 0, draft_cache)
+    _, hidden = runtime.proposer.extend(prompt, aux, 0, draft_cache)
 
     def draft_step():
         position = torch.tensor([[args.context]])

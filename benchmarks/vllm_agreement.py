@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from draft_family_ab import bench
+from common import bench
 
 from specforge.results import figures_markdown, write_result
 
