@@ -3,6 +3,7 @@ target's greedy tokens (its held-out ``tau_pred`` rising), resumes exactly, is e
 engines' DFlash layout and served losslessly by ``specforge bench``; offline mode is refused."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -36,10 +37,16 @@ def test_a_dflash_draft_trains_exports_and_serves(tmp_path, peaked_target_dir):
     assert report["all_match"] is True and report["settings"]["draft_family"] == "dflash"
 
 
-def test_dflash_training_resumes_exactly(tmp_path, peaked_target_dir):
+def test_dflash_training_resumes_exactly(tmp_path, peaked_target_dir, caplog):
     folder, data = peaked_target_dir
     steps = [*DFLASH, "train.max_steps=6", "train.save_every=3"]
-    full = train(tiny_train_config(folder, data, tmp_path / "full", *steps))
+    # more target layers than the tiny target has: read what it has, and say so
+    with caplog.at_level(logging.WARNING, logger="specforge.families.dflash"):
+        full = train(
+            tiny_train_config(folder, data, tmp_path / "full", *steps, "draft.target_layers=100")
+        )
+    assert "draft.target_layers 100: the target has 4 layers, so the draft reads 1" in caplog.text
+    steps.append("draft.target_layers=100")
     interrupted = tmp_path / "interrupted"
     train(tiny_train_config(folder, data, interrupted, *steps), stop_after_step=3)
     resumed = train(tiny_train_config(folder, data, interrupted, *steps, "train.resume=true"))
