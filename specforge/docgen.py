@@ -140,6 +140,13 @@ vocabulary (its geometry follows the target here); `--chat-template` names are n
 target tokenizer's template is what the engines apply). Then `specforge export` writes the
 directory SGLang and vLLM serve ([export](export-and-serving.md)).
 
+A draft SpecForge exported (its `--to hf` layout, the draft's embedding inside and no
+`target_hidden_size`, or its `--to sglang` layout) is read as it is: `specforge bench --draft
+DIR`, `export --verify-engine`'s checks and `train --from-pretrained DIR` (SpecForge's
+`--ckpt-dir`) take it, checked against the target like one of this project's; tested on files
+SpecForge 0.2.0's own code wrote (`tests/fixtures/specforge_0_2_0`, its logits matched to
+2e-6). speculators' layout (`speculators_config`) is not read yet.
+
 This page is generated from `specforge/upstream.py` (`python -m specforge.docgen`).
 
 | flag | tool | here |

@@ -148,6 +148,20 @@ otherwise the engines share the target's embedding, which the draft's frozen cop
 
 KIND_DTYPES = {"int64": torch.int64, "bool": torch.bool}
 
+OPTIONAL_TENSORS = {"embed_tokens.weight": lambda c: (c.vocab_size, c.hidden_size)}
+"""Tensors other exporters write where this one need not (SpecForge's ``--to hf`` ships the
+draft's frozen embedding): accepted at their shape, and loaded as the draft's own, as SGLang
+and vLLM load them."""
+
+
+def engine_defaults(exported: dict[str, Any]) -> dict[str, Any]:
+    """``config.json`` as the engines read it: ``target_hidden_size`` is ``hidden_size`` where
+    it is left out (SpecForge's and SGLang's own exports leave it out when they are equal)."""
+    if "target_hidden_size" in exported or "hidden_size" not in exported:
+        return exported
+    return {**exported, "target_hidden_size": exported["hidden_size"]}
+
+
 EAGLE31_SWITCHES = ("fc_norm", "norm_output")
 """The draft config's EAGLE 3.1 keys: written to ``config.json`` as ``true`` when set (top
 level, as vLLM reads them), left out for an EAGLE-3 draft."""
@@ -172,6 +186,11 @@ def check_export_tensors(
         if spec.when(config)
     }
     expected |= {name: (shape, dtype) for name, shape in (extra or {}).items()}
+    expected |= {
+        name: (shape(config), dtype)
+        for name, shape in OPTIONAL_TENSORS.items()
+        if name in tensors and name not in expected
+    }
     problems = contract_problems(tensors, expected)
     if not problems and _reduced(config):
         try:
@@ -285,6 +304,7 @@ def check_export_config(exported: dict[str, Any], target_config) -> None:
             activation).
     """
     target_config = text_config(target_config)
+    exported = engine_defaults(exported)
     problems = []
     if exported.get("architectures") != [ARCHITECTURE]:
         problems.append(
@@ -427,9 +447,13 @@ def check_as_written(export_dir: Path) -> None:
     built-in runtime and an engine would both read the edited files and agree on them.
 
     Raises:
-        ExportError: a file whose checksum differs (an export without checksums passes).
+        ExportError: a file whose checksum differs (an export without checksums, or another
+            tool's without the marker, passes).
     """
-    recorded = read_json(Path(export_dir) / MARKER).get("sha256", {})
+    marker = Path(export_dir) / MARKER
+    if not marker.is_file():
+        return
+    recorded = read_json(marker).get("sha256", {})
     changed = [n for n, d in recorded.items() if file_sha256(Path(export_dir) / n) != d]
     if changed:
         raise ExportError(f"{', '.join(changed)} changed since specforge wrote the export")
@@ -508,7 +532,7 @@ def load_exported_draft(
     config_path = export_dir / "config.json"
     if not config_path.is_file():
         raise ExportError(f"{export_dir} is not an export directory (no config.json)")
-    exported = read_json(config_path)
+    exported = engine_defaults(read_json(config_path))
     check_export_config(exported, target_config)
     model_class = model_class or Eagle3DraftModel
     config_class = model_class.config_class

@@ -36,6 +36,7 @@ from specforge.serving.export import (
     ARCHITECTURE,
     check_export_config,
     check_export_tensors,
+    engine_defaults,
     exported_aux_layer_ids,
     load_exported_draft,
     write_export,
@@ -158,7 +159,8 @@ def load_trainable(export_dir, head, *, loader=None):
 def exported_config(exported: dict, where: str, config_class=Eagle3Config) -> Eagle3Config:
     """The draft config an export's ``config.json`` describes."""
     fields = {f.name for f in dataclasses.fields(config_class)}
-    return config_class.from_dict({k: v for k, v in exported.items() if k in fields}, where)
+    values = engine_defaults(exported)
+    return config_class.from_dict({k: v for k, v in values.items() if k in fields}, where)
 
 
 def export_checks(export_dir: Path, exported: dict, tensors: dict, target_config, *, extra=None):

@@ -1,0 +1,65 @@
+"""Drafts exported by SpecForge 0.2.0 load as they are (``tests/fixtures/specforge_0_2_0``,
+made by SpecForge's own draft class and exporters: ``make.py`` there): its ``--to hf`` layout
+(the draft's embedding inside, no ``target_hidden_size``) and its ``--to sglang`` layout
+(bfloat16, no embedding) pass the export checks, are recognised as EAGLE-3, and give
+SpecForge's own logits; training's warm start reads them too."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig
+
+from specforge.families import export_checks, family_of_export
+from specforge.models.eagle3 import DraftKVCache
+from specforge.serving.export import load_exported_draft
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "specforge_0_2_0"
+REFERENCE = load_file(FIXTURES / "reference.safetensors")
+TARGET = LlamaConfig(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+"""A target of the fixture's geometry (its embedding: the reference's)."""
+
+
+def _logits(draft) -> torch.Tensor:
+    positions = torch.arange(REFERENCE["tokens"].shape[1])[None]
+    with torch.no_grad():
+        fused = draft.fuse(REFERENCE["fused"].to(draft.fc.weight.dtype))
+        logits, _ = draft(REFERENCE["tokens"], fused, positions, cache=DraftKVCache())
+    return logits.float()
+
+
+@pytest.mark.parametrize(("layout", "tolerance"), [("hf", 1e-5), ("sglang", 0.02)])
+def test_a_specforge_export_loads_as_it_is_and_gives_specforges_logits(layout, tolerance):
+    folder = FIXTURES / layout
+    assert family_of_export(folder).name == "eagle3"
+    assert all(c["problem"] is None for c in export_checks(folder, TARGET))
+    draft = load_exported_draft(
+        folder, target_config=TARGET, target_embedding=REFERENCE["embedding"]
+    )
+    reference = REFERENCE["logits"]
+    difference = (_logits(draft) - reference).abs().max() / reference.abs().max()
+    assert difference < tolerance  # hf: float32 as SpecForge ran it; sglang: its bf16 copy
+    assert torch.equal(draft.d2t, load_file(folder / "model.safetensors")["d2t"])
+
+
+def test_a_specforge_export_is_a_warm_start():
+    """What ``train.from_pretrained`` loads (EAGLE-3's ``load_trainable``), trainable."""
+    from specforge.families import family
+
+    head = SimpleNamespace(config=TARGET, embed_tokens=REFERENCE["embedding"])
+    draft, config = family("eagle3").load_trainable(FIXTURES / "hf", head)
+    assert config.target_hidden_size == 64 and draft.training
+    assert draft.fc.weight.requires_grad and not draft.embed_tokens.weight.requires_grad
+    assert (_logits(draft) - REFERENCE["logits"]).abs().max() < 1e-4
