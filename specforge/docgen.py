@@ -141,11 +141,14 @@ target tokenizer's template is what the engines apply). Then `specforge export` 
 directory SGLang and vLLM serve ([export](export-and-serving.md)).
 
 A draft SpecForge exported (its `--to hf` layout, the draft's embedding inside and no
-`target_hidden_size`, or its `--to sglang` layout) is read as it is: `specforge bench --draft
-DIR`, `export --verify-engine`'s checks and `train --from-pretrained DIR` (SpecForge's
-`--ckpt-dir`) take it, checked against the target like one of this project's; tested on files
-SpecForge 0.2.0's own code wrote (`tests/fixtures/specforge_0_2_0`, its logits matched to
-2e-6). speculators' layout (`speculators_config`) is not read yet.
+`target_hidden_size`, or its `--to sglang` layout) or speculators saved (`speculators_config`,
+the layer's settings under `transformer_layer_config`, its weights under `layers.0.`) is read
+as it is: `specforge bench --draft DIR`, `export --verify-engine`'s checks and `train
+--from-pretrained DIR` (SpecForge's `--ckpt-dir`, speculators' `--from-pretrained`) take it,
+checked against the target like one of this project's. Tested on files SpecForge 0.2.0's and
+speculators 0.9.0's own code wrote (`tests/fixtures/`, with the script that made each): the
+draft gives the tool's own logits. speculators' `norm_before_residual` and `norm_before_fc`
+have no equivalent in SGLang's EAGLE-3 layer and are refused by name.
 
 This page is generated from `specforge/upstream.py` (`python -m specforge.docgen`).
 

@@ -21,7 +21,7 @@ from specforge.errors import UserError
 from specforge.families.family import DraftFamily
 from specforge.io import read_json, read_safetensors
 from specforge.models.eagle3 import load_draft_weights
-from specforge.serving.export import check_as_written
+from specforge.serving.export import check_as_written, engine_defaults, engine_tensors
 from specforge.trainer.checkpoint import read_trainer_state
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def family_of_export(export_dir: str | Path) -> DraftFamily:
     config_path = Path(export_dir) / "config.json"
     if not config_path.is_file():
         raise UserError(f"{export_dir} is not an export directory (no config.json)")
-    exported = read_json(config_path)
+    exported = engine_defaults(read_json(config_path))
     extended = {f.extends for f in families()}
     for found in sorted(families(), key=lambda f: f.name in extended):
         if found.recognizes(exported):
@@ -174,8 +174,8 @@ def export_checks(export_dir: str | Path, target_config) -> list[dict[str, str |
     """An export's contract, check by check (the files as written, then its family's checks):
     ``{"check": what, "problem": None or why}``."""
     export_dir = Path(export_dir)
-    exported = read_json(export_dir / "config.json")
-    tensors = read_safetensors(export_dir / "model.safetensors")
+    exported = engine_defaults(read_json(export_dir / "config.json"))
+    tensors = engine_tensors(read_safetensors(export_dir / "model.safetensors"))
     checks = [
         (
             "files as written (the checksums of config.json and model.safetensors in "

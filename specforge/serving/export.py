@@ -155,11 +155,55 @@ and vLLM load them."""
 
 
 def engine_defaults(exported: dict[str, Any]) -> dict[str, Any]:
-    """``config.json`` as the engines read it: ``target_hidden_size`` is ``hidden_size`` where
-    it is left out (SpecForge's and SGLang's own exports leave it out when they are equal)."""
-    if "target_hidden_size" in exported or "hidden_size" not in exported:
+    """``config.json`` as the engines read it, in SGLang's layout: speculators' layout
+    (``speculators_model_type: eagle3``) flattened onto it (:func:`from_speculators`), and
+    ``target_hidden_size`` is ``hidden_size`` where it is left out (SpecForge's and
+    speculators' exports leave it out when they are equal)."""
+    if exported.get("speculators_model_type") == "eagle3":
+        exported = from_speculators(exported)
+    if exported.get("target_hidden_size") is not None or "hidden_size" not in exported:
         return exported
     return {**exported, "target_hidden_size": exported["hidden_size"]}
+
+
+SPECULATORS_REFUSED = ("norm_before_residual", "norm_before_fc")
+"""speculators' EAGLE-3 options with no equivalent in SGLang's layer (nor in this draft)."""
+
+
+def from_speculators(exported: dict[str, Any]) -> dict[str, Any]:
+    """A speculators EAGLE-3 ``config.json`` (the layer's settings under
+    ``transformer_layer_config``, the aux layers as ``eagle_aux_hidden_state_layer_ids``) in
+    SGLang's layout, which vLLM reads too.
+
+    Raises:
+        ExportError: an option SGLang's EAGLE-3 layer does not have, named.
+    """
+    refused = [key for key in SPECULATORS_REFUSED if exported.get(key)]
+    if refused:
+        raise ExportError(f"speculators' {', '.join(refused)}: true has no equivalent here")
+    own = ("transformer_layer_config", "speculators_config", "architectures", "auto_map")
+    flat = {
+        **(exported.get("transformer_layer_config") or {}),
+        **{k: v for k, v in exported.items() if k not in own and v is not None},
+        "architectures": [ARCHITECTURE],
+    }
+    if ids := exported.get("eagle_aux_hidden_state_layer_ids"):
+        flat["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(ids)}
+    for switch in EAGLE31_SWITCHES:  # written only when set, as this project writes them
+        if not flat.get(switch):
+            flat.pop(switch, None)
+    if "rope_parameters" in flat and "rope_theta" not in flat:
+        flat["rope_theta"], flat["rope_scaling"] = _rope_legacy(flat["rope_parameters"])
+    return flat
+
+
+def engine_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``model.safetensors`` under SGLang's names: speculators' one layer (``layers.0.``) is
+    SGLang's ``midlayer.``."""
+    return {
+        ("midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name): t
+        for name, t in tensors.items()
+    }
 
 
 EAGLE31_SWITCHES = ("fc_norm", "norm_output")
@@ -498,7 +542,7 @@ def check_replaceable(out_dir: Path) -> None:
 def exported_aux_layer_ids(export_dir: str | Path, num_target_layers: int) -> list[int]:
     """The aux layer ids an export was trained on: SGLang's ``eagle_config`` entry when the
     ids are custom, else the default for the target's depth."""
-    config = read_json(Path(export_dir) / "config.json")
+    config = engine_defaults(read_json(Path(export_dir) / "config.json"))
     custom = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     return list(custom) if custom else default_aux_layer_ids(num_target_layers)
 
@@ -540,7 +584,7 @@ def load_exported_draft(
     config = config_class.from_dict(
         {k: v for k, v in exported.items() if k in fields}, str(config_path)
     )
-    tensors = read_safetensors(export_dir / "model.safetensors")
+    tensors = engine_tensors(read_safetensors(export_dir / "model.safetensors"))
     float_dtype = tensors["fc.weight"].dtype if "fc.weight" in tensors else torch.bfloat16
     check_export_tensors(tensors, config, float_dtype, extra=extra(config) if extra else None)
     model = model_class(config)
