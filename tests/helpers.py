@@ -126,24 +126,26 @@ TINY_STEP_BY_STEP = ("vocab.draft_vocab_size=64", "train.ttt_length=3")
 the block family, which reads neither)."""
 
 
-def tiny_train_config(folder, data, output_dir, *extra):
+def tiny_train_overrides(folder, data, output_dir, *extra) -> list[str]:
+    """The tiny recipe as dotted overrides (what a ``specforge train`` command line takes)."""
     block = "draft.type=dflash" in extra
-    return load_config(
-        None,
-        [
-            f"target.name_or_path={folder}",
-            "target.dtype=float32",
-            f"train.data_path={data}",
-            f"output_dir={output_dir}",
-            "train.dtype=float32",
-            "train.lr=3e-3",
-            "train.warmup_steps=3",
-            "train.eval_fraction=0.2",
-            "train.log_every=1",
-            *(() if block else TINY_STEP_BY_STEP),
-            *extra,
-        ],
-    )
+    return [
+        f"target.name_or_path={folder}",
+        "target.dtype=float32",
+        f"train.data_path={data}",
+        f"output_dir={output_dir}",
+        "train.dtype=float32",
+        "train.lr=3e-3",
+        "train.warmup_steps=3",
+        "train.eval_fraction=0.2",
+        "train.log_every=1",
+        *(() if block else TINY_STEP_BY_STEP),
+        *extra,
+    ]
+
+
+def tiny_train_config(folder, data, output_dir, *extra):
+    return load_config(None, tiny_train_overrides(folder, data, output_dir, *extra))
 
 
 def torchrun_train(nproc: int, out, folder, *extra: str):

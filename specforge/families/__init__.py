@@ -15,10 +15,9 @@ from typing import Any
 import torch
 
 from specforge.config import ConfigError, VocabConfig
-from specforge.data.chat import end_of_turn_ids
-from specforge.data.vocab import VocabMap, vocab_map_from_samples
+from specforge.data.vocab import VocabMap
 from specforge.errors import UserError
-from specforge.families.family import DraftFamily
+from specforge.families.family import DraftFamily, draft_vocabulary
 from specforge.io import read_json, read_safetensors
 from specforge.models.eagle3 import load_draft_weights
 from specforge.serving.export import check_as_written, engine_defaults, engine_tensors
@@ -252,12 +251,7 @@ def _with_new_vocabulary(cfg, source, samples, draft, old: VocabMap):
     """``draft`` over a new vocabulary map of ``samples`` (``vocab.draft_vocab_size`` ids):
     a new draft of the same geometry with its weights, ``lm_head``'s rows moved to the new
     ids where the old map had them, the target's rows (logit scale folded in) elsewhere."""
-    new, _ = vocab_map_from_samples(
-        samples,
-        vocab_size=source.head.config.vocab_size,
-        draft_vocab_size=cfg.vocab.draft_vocab_size,
-        end_of_turn=end_of_turn_ids(source.tokenizer, source.generation_config),
-    )
+    new = draft_vocabulary(cfg, source, samples)
     config = dataclasses.replace(draft.config, draft_vocab_size=new.draft_vocab_size)
     head = source.head.lm_head.detach().float().cpu() * source.head.transform.scale
     rows = head[new.hot_ids].clone()

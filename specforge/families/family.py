@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specforge.data.chat import end_of_turn_ids
+from specforge.data.vocab import vocab_map_from_samples
 from specforge.errors import UserError
 
 
@@ -129,3 +131,15 @@ def check_one_forward(what: str, deepest: int, *, num_steps: int, topk: int, aut
         raise UserError(
             f"{what}: num_steps 1..{deepest} and topk 1 (got num_steps {depth}, topk {topk})"
         )
+
+
+def draft_vocabulary(cfg, source, samples):
+    """The vocabulary map of ``samples``' assistant tokens (``vocab.draft_vocab_size`` ids):
+    what a new draft, or one given a new map (``train.rebuild_vocab``), drafts over."""
+    vocab_map, _ = vocab_map_from_samples(
+        samples,
+        vocab_size=source.head.config.vocab_size,
+        draft_vocab_size=cfg.vocab.draft_vocab_size,
+        end_of_turn=end_of_turn_ids(source.tokenizer, source.generation_config),
+    )
+    return vocab_map

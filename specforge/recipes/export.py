@@ -165,6 +165,7 @@ def _served_against_builtin(cfg: SpecForgeConfig, export_dir: Path) -> dict:
         depth = draft_family.capabilities.default_depth(draft_family.draft_config(export_dir))
         steps = depth or DEFAULT_CHECK_STEPS
     folder = Path(cfg.output_dir) / "engine_check"
+    defaults = BenchConfig()  # the built-in half reads none of the engine's options
     common = {
         "draft": str(export_dir),
         "limit": cfg.export.verify_questions,
@@ -174,7 +175,7 @@ def _served_against_builtin(cfg: SpecForgeConfig, export_dir: Path) -> dict:
     settings = dataclasses.replace(
         cfg.bench,
         **common,
-        **{name: getattr(BenchConfig(), name) for name in ENGINE_OPTIONS},  # the defaults
+        **{name: getattr(defaults, name) for name in ENGINE_OPTIONS},
         output=str(folder / "builtin"),
         engine="builtin",
     )

@@ -145,9 +145,8 @@ class Plan:
             }
             fan = replace(fan, **cut, candidate=None, siblings=fan.siblings if room else 0)
         if self.tree is not None and room:
-            kept = (self.tree.depths <= room).tolist()
-            index = [sum(kept[:n]) for n in range(len(kept))]
-            paths = [[index[n] for n in path if kept[n]] for path in self.paths]
+            index = self.tree.renumbered(room)
+            paths = [[index[n] for n in path if index[n] is not None] for path in self.paths]
             return replace(self, depth=room, tree=self.tree.within(room), paths=paths, fan=fan)
         tokens = None if self.tokens is None else self.tokens[:room]
         dists = None if self.dists is None else self.dists[:room]

@@ -49,18 +49,26 @@ class DraftTree:
                 mask[i] |= mask[parent]
         return mask
 
+    def renumbered(self, depth: int) -> list[int | None]:
+        """Each node's index in :meth:`within` ``depth``, ``None`` where it is dropped."""
+        kept, index = 0, []
+        for node_depth in self.depths.tolist():
+            index.append(kept if node_depth <= depth else None)
+            kept += node_depth <= depth
+        return index
+
     def within(self, depth: int) -> DraftTree:
         """The tree without its nodes deeper than ``depth`` (every node's ancestors are
         shallower, so what is left is a tree, parents still before children)."""
-        keep = self.depths <= depth
-        if bool(keep.all()):
+        index = self.renumbered(depth)
+        kept = [node for node, new in enumerate(index) if new is not None]
+        if len(kept) == len(index):
             return self
-        index = keep.long().cumsum(0) - 1
-        parents = self.parents[keep]
+        parents = [-1 if p < 0 else index[p] for p in self.parents[kept].tolist()]
         return DraftTree(
-            tokens=self.tokens[keep.to(self.tokens.device)],
-            parents=torch.where(parents >= 0, index[parents.clamp(min=0)], parents),
-            depths=self.depths[keep],
+            tokens=self.tokens[torch.tensor(kept, device=self.tokens.device)],
+            parents=torch.tensor(parents, dtype=torch.long),
+            depths=self.depths[kept],
         )
 
     def children(self, node: int) -> list[int]:

@@ -12,26 +12,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig
 
 from specforge.families import export_checks, family_of_export
 from specforge.models.eagle3 import DraftKVCache
 from specforge.serving.export import load_exported_draft
+from tests.helpers import make_tiny_llama
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "specforge_0_2_0"
 REFERENCE = load_file(FIXTURES / "reference.safetensors")
 SPECULATORS = Path(__file__).parents[1] / "fixtures" / "speculators_0_9_0"
-TARGET = LlamaConfig(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+TARGET = make_tiny_llama(96).config
 """A target of the fixture's geometry (its embedding: the reference's)."""
 
 

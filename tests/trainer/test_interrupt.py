@@ -12,25 +12,10 @@ import time
 
 import pytest
 
-from specforge.config import load_config
 from specforge.recipes.train import train
-from tests.helpers import REPO, tiny_train_config
+from tests.helpers import REPO, tiny_train_config, tiny_train_overrides
 
 SLOW_RUN = ("train.max_steps=100000", "train.save_every=100000", "train.eval_every=100000")
-
-
-def _overrides(folder, data, out, *extra):
-    return [
-        f"target.name_or_path={folder}",
-        "target.dtype=float32",
-        f"train.data_path={data}",
-        f"output_dir={out}",
-        "train.dtype=float32",
-        "train.log_every=1",
-        "vocab.draft_vocab_size=64",
-        "train.ttt_length=3",
-        *extra,
-    ]
 
 
 def _logged_steps(out) -> int:
@@ -49,7 +34,7 @@ def test_a_signal_during_training_saves_a_checkpoint_and_says_how_to_resume(
     out = tmp_path / "run"
     command = [sys.executable, "-m", "specforge.cli", "train"]
     process = subprocess.Popen(
-        [*command, *_overrides(folder, data, out, *SLOW_RUN)],
+        [*command, *tiny_train_overrides(folder, data, out, *SLOW_RUN)],
         cwd=REPO,
         stderr=subprocess.PIPE,
         text=True,
@@ -68,16 +53,8 @@ def test_a_signal_during_training_saves_a_checkpoint_and_says_how_to_resume(
     assert saved and saved[-1] >= 2 and f"step_{saved[-1]}" in last
 
     resumed = train(
-        load_config(
-            None,
-            _overrides(
-                folder,
-                data,
-                out,
-                f"train.max_steps={saved[-1] + 1}",
-                "train.resume=true",
-                "train.eval_every=100000",
-            ),
+        tiny_train_config(
+            folder, data, out, *SLOW_RUN, "train.resume=true", f"train.max_steps={saved[-1] + 1}"
         )
     )
     assert resumed.checkpoint == out / "checkpoints" / f"step_{saved[-1] + 1}"

@@ -18,11 +18,9 @@ from pathlib import Path
 import torch
 
 from specforge.config import torch_dtype
-from specforge.data.chat import end_of_turn_ids
-from specforge.data.vocab import vocab_map_from_samples
 from specforge.engine.cpu.int8_linear import quantize_linears
 from specforge.engine.cpu.packed_linear import prepack_linears
-from specforge.families.family import Capabilities, DraftFamily, EngineMethods
+from specforge.families.family import Capabilities, DraftFamily, EngineMethods, draft_vocabulary
 from specforge.io import read_json
 from specforge.models.adapter import config_value, text_config
 from specforge.models.compiling import inductor_options
@@ -46,17 +44,6 @@ from specforge.trainer.metrics import ttt_metrics
 from specforge.trainer.ttt import TTTObjective
 
 logger = logging.getLogger(__name__)
-
-
-def draft_vocabulary(cfg, source, samples):
-    """The vocabulary map of ``samples``' assistant tokens (``vocab.draft_vocab_size`` ids)."""
-    vocab_map, _ = vocab_map_from_samples(
-        samples,
-        vocab_size=source.head.config.vocab_size,
-        draft_vocab_size=cfg.vocab.draft_vocab_size,
-        end_of_turn=end_of_turn_ids(source.tokenizer, source.generation_config),
-    )
-    return vocab_map
 
 
 def new_draft(cfg, config, head, vocab_map, model_class) -> Eagle3DraftModel:
