@@ -170,6 +170,9 @@ class FixedDepth:
     def use_costs(self, costs: CostModel) -> None:
         self.costs = costs
 
+    def begin_request(self) -> None:
+        pass
+
     def widths(self) -> tuple[int, int]:
         return 0, 0
 
@@ -248,7 +251,19 @@ class AutoPolicy:
     ):
         self.num_steps = max_depth
         self.temperature, self.top_p, self.device = temperature, top_p, device
-        self.estimate = AcceptanceEstimate(max_depth)
+        self.trees = trees
+        self.max_siblings = max_siblings if trees else 0
+        self.lookup_tokens = lookup_tokens
+        self.costs: CostModel | None = None
+        """This device's round costs (measured by the runtime's ``calibrate``): the machine's,
+        so they carry from request to request."""
+        self.begin_request()
+
+    def begin_request(self) -> None:
+        """Before a request: what the policy learns of acceptance starts again from its
+        priors, so a request's rounds do not depend on the requests before it (nor on a
+        bench's warm-up); only the device's :attr:`costs` carry over."""
+        self.estimate = AcceptanceEstimate(self.num_steps)
         """Running conditional acceptance per draft position."""
         self.confidence = ConfidenceCalibration()
         """Acceptance given the draft's own probability of its token (greedy)."""
@@ -257,11 +272,7 @@ class AutoPolicy:
         token, and where it proposes the same (greedy with ``lookup_tokens``)."""
         self.sibling_confidence = ConfidenceCalibration()
         """The same for the first position's further candidates (greedy)."""
-        self.trees = trees
-        self.max_siblings = max_siblings if trees else 0
-        self.costs: CostModel | None = None
-        """This device's round costs (measured by the runtime's ``calibrate``)."""
-        self.lookup = PromptLookup(lookup_tokens) if lookup_tokens else None
+        self.lookup = PromptLookup(self.lookup_tokens) if self.lookup_tokens else None
         """Prompt lookup competing with the draft (``lookup_tokens``)."""
         self.dormancy = Dormancy()
 
@@ -304,10 +315,10 @@ class AutoPolicy:
         self.costs.observe_other(seconds)
 
     def report(self) -> dict:
-        """What ``bench.json`` records of ``auto`` (its ``calibration``): the costs, the final
-        acceptance estimates, and the measured acceptance at the centre of each bin of the
-        draft's confidence (greedy), for the first token also by whether prompt lookup
-        proposed the same."""
+        """What ``bench.json`` records of ``auto`` (its ``calibration``): the costs, and of
+        the last request the final acceptance estimates and the measured acceptance at the
+        centre of each bin of the draft's confidence (greedy), for the first token also by
+        whether prompt lookup proposed the same."""
         return {
             **self.costs.as_dict(),
             "final_acceptance_estimate": [round(r, 4) for r in self.estimate.rates()],

@@ -54,6 +54,9 @@ class SpeculativeDecoder:
     ``num_steps="auto"`` each round's depth follows measured wall-clock costs and decides how
     many random numbers the round draws, so a sampled ``auto`` run is reproducible in
     distribution (lossless) but not token for token; greedy outputs are always the target's.
+    What ``auto`` learns of acceptance starts again with every request (``generate`` call):
+    only the device's costs carry from one to the next, so at fixed costs a request's rounds
+    are the same whatever was asked before it.
     """
 
     def __init__(
@@ -363,6 +366,7 @@ class SpeculativeDecoder:
         input_ids = input_ids.to(self.device)
         if self.policy.needs_costs():
             self.calibrate(input_ids)  # once per decoder, before anything is timed
+        self.policy.begin_request()  # what it learnt of acceptance was the last request's
         start_time = self._clock()
         stats = SpecStats(num_steps=self.num_steps)
         eos = set(eos_token_ids)

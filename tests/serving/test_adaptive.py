@@ -22,6 +22,8 @@ from specforge.serving.proposers.lookup import PromptLookup
 from specforge.serving.sampling import accept_chain_sampling
 from specforge.serving.speculative import SpeculativeDecoder
 from tests.helpers import StubDraft, greedy_reference
+from tests.serving.test_sampling import VOCAB as SAMPLED_VOCAB
+from tests.serving.test_sampling import models  # noqa: F401
 from tests.serving.test_speculative import VOCAB, target  # noqa: F401
 
 # this CPU's shape (benchmarks/verify_cost.py): 36 ms for one token, a jump at 4 rows
@@ -463,3 +465,57 @@ def test_auto_siblings_are_lossless_and_catch_the_draft_s_second_choice(target, 
     else:
         # the sibling's calibration learns from every round's first target token
         assert hits > 0.9 * stats.verifications and stats.tau > 1.9
+
+
+def rounds_of_the_last(decoder: SpeculativeDecoder, asked: list[torch.Tensor]):
+    """The last prompt's tokens and rounds after the runtime answered every prompt of
+    ``asked`` in turn (each sampled from seed 3), the costs frozen (:class:`FixedCosts`): real
+    round times, the machine's, would move the depths."""
+    decoder.policy.use_costs(
+        FixedCosts(verify=list(CPU_COSTS.verify), draft_step=CPU_COSTS.draft_step)
+    )
+    for prompt in asked:
+        generator = torch.Generator().manual_seed(3)
+        tokens, stats = decoder.generate(prompt, max_new_tokens=60, generator=generator)
+    return tokens, stats.depth_per_round, stats.accepted_per_round, stats.dormant_rounds
+
+
+def test_a_request_s_greedy_rounds_do_not_depend_on_the_requests_before_it(target):  # noqa: F811
+    """``auto`` starts every request from its priors (the position estimates, the confidence
+    calibrations, the sleep, prompt lookup's estimates): a question gets the same rounds asked
+    first or after ten others."""
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (1, 6)) for _ in range(11)]
+    # right on the question's answer but every third token, wrong on the other prompts
+    reference = greedy_reference(target, prompts[-1], 60)
+    draft = StubDraft(reference, lambda t: t % 3 == 0, VOCAB)
+    runs = [
+        rounds_of_the_last(
+            SpeculativeDecoder(
+                target, draft, aux_layer_ids=[1, 1, 0], num_steps="auto", lookup_tokens=4
+            ),
+            asked,
+        )
+        for asked in (prompts[-1:], prompts)
+    ]
+    assert runs[0] == runs[1]
+    assert runs[0][0] == reference[prompts[-1].shape[1] :]
+    assert len(set(runs[0][1])) > 1  # auto chose more than one depth on its own
+
+
+def test_a_request_s_sampled_rounds_do_not_depend_on_the_requests_before_it(models):  # noqa: F811
+    """The same for sampling: the request's seed gives the same tokens and rounds."""
+    sampled_target, draft = models
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, SAMPLED_VOCAB, (1, 5)) for _ in range(11)]
+    runs = [
+        rounds_of_the_last(
+            SpeculativeDecoder(
+                sampled_target, draft, aux_layer_ids=[1, 1, 0], num_steps="auto", temperature=1.0
+            ),
+            asked,
+        )
+        for asked in (prompts[-1:], prompts)
+    ]
+    assert runs[0] == runs[1]
+    assert len(set(runs[0][1])) > 1
