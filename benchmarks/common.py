@@ -15,6 +15,15 @@ from pathlib import Path
 
 import torch
 
+from specforge.config import load_config
+from specforge.data.batching import collate
+from specforge.distributed import setup_distributed
+from specforge.families import load_checkpoint_draft
+from specforge.models.target import target_hidden_states
+from specforge.trainer.checkpoint import latest_sound_checkpoint
+from specforge.trainer.sources import OnlineTarget, draft_target_distribution
+from specforge.trainer.ttt import TTTObjective
+
 
 def specforge(*arguments: str) -> None:
     """Run ``specforge ARGUMENTS`` with this interpreter; stop on a failure."""
@@ -36,6 +45,86 @@ def export_once(common: list[str], export: Path) -> None:
     export is there."""
     if not (export / "config.json").is_file():
         specforge("export", *common, f"export.output={export}")
+
+
+def answers(output: Path, name: str, questions: str, target: str, max_new_tokens: int) -> Path:
+    """The float32 ``target``'s greedy answers to ``questions`` (``max_new_tokens`` a turn),
+    written to ``OUTPUT/answers_NAME.jsonl`` once (its prepare stage in ``prepare_NAME``)."""
+    out = output / f"answers_{name}.jsonl"
+    if not out.is_file():
+        specforge(
+            "prepare",
+            f"target.name_or_path={target}",
+            f"output_dir={output / f'prepare_{name}'}",
+            "--data",
+            questions,
+            "--regenerate",
+            "--max-new-tokens",
+            str(max_new_tokens),
+            "--dtype",
+            "float32",
+            "--output",
+            str(out),
+        )
+    return out
+
+
+@torch.no_grad()
+def replayed_taus(runs: dict[str, Path], recipe: Path, answers_file: Path, depth: int) -> dict:
+    """The accept length of chain ``depth`` over ``answers_file`` with each run's newest
+    checkpoint's draft (float32 target and drafts; :func:`specforge.trainer.ttt.replay_rounds`,
+    the runtime's greedy rounds), by run name. The target runs once a conversation for every
+    draft; the target's distribution is taken once for each draft vocabulary."""
+    cfg = load_config(
+        recipe,
+        ["target.dtype=float32", "train.state_cache_gb=0", f"train.data_path={answers_file}"],
+    )
+    source = OnlineTarget(cfg, setup_distributed("cpu"), "cpu")
+    drafts = {}
+    for name, run in runs.items():
+        checkpoint = latest_sound_checkpoint(run / "checkpoints")
+        if checkpoint is None:
+            raise SystemExit(f"{run}/checkpoints: no intact checkpoint to score")
+        drafts[name] = load_checkpoint_draft(checkpoint, source.head.embed_tokens).float().eval()
+    objectives = {
+        name: TTTObjective(draft, depth, 1.0, replay_depth=depth).eval()
+        for name, draft in drafts.items()
+    }
+    counts = {name: [0, 0] for name in runs}  # emitted tokens, rounds
+    for sample in source.samples:
+        batch = collate([sample], source.pad_id)
+        states = target_states(source, batch)
+        for name, objective in objectives.items():
+            aux, distribution = states(drafts[name])
+            replayed = objective(batch, aux, distribution).replayed
+            counts[name][0] += int(replayed.emitted)
+            counts[name][1] += int(replayed.rounds)
+    return {
+        name: {
+            "tau": round(emitted / rounds, 3),
+            "rounds": rounds,
+            "conversations": len(source.samples),
+        }
+        for name, (emitted, rounds) in counts.items()
+    }
+
+
+def target_states(source: OnlineTarget, batch):
+    """``states(draft) -> (aux, target distribution)`` for one batch: the target's forward
+    once, its distribution on a draft's vocabulary once for each vocabulary (by ``hot_ids``)."""
+    forward = target_hidden_states(
+        source.model, batch.input_ids, batch.attention_mask, aux_layer_ids=source.aux_layer_ids
+    )
+    known: list[tuple[torch.Tensor, object]] = []
+
+    def states(draft):
+        found = next((d for hot_ids, d in known if torch.equal(hot_ids, draft.hot_ids)), None)
+        if found is None:
+            found = draft_target_distribution(forward.last_hidden_state, source.head, draft, batch)
+            known.append((draft.hot_ids, found))
+        return forward.aux_hidden_states, found
+
+    return states
 
 
 def median_ms(fn, repeats: int) -> float:

@@ -29,18 +29,12 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
 import yaml
-from common import bench, export_once, specforge
+from common import answers, bench, export_once, replayed_taus, specforge
 
-from specforge.config import SpecForgeConfig, from_dict, load_config
-from specforge.data.batching import collate
-from specforge.distributed import setup_distributed
-from specforge.families import load_checkpoint_draft
+from specforge.config import SpecForgeConfig, from_dict
 from specforge.results import figures_markdown, write_result
 from specforge.trainer.checkpoint import latest_sound_checkpoint, read_trainer_state
-from specforge.trainer.sources import OnlineTarget
-from specforge.trainer.ttt import TTTObjective
 
 ARMS = {"supervised": "false", "on_policy": "true"}
 """Each arm's ``train.on_policy.replay``."""
@@ -60,29 +54,6 @@ def start_recipe(start: Path, output: Path) -> tuple[Path, int]:
     recipe = output / "start.yaml"
     recipe.write_text(yaml.safe_dump(config, sort_keys=False))
     return recipe, state["step"]
-
-
-def answers(name: str, questions: str, recipe: Path, args) -> Path:
-    """The float32 target's greedy answers to ``questions`` (``--max-new-tokens`` a turn), the
-    target the recipe trained for."""
-    out = Path(args.output) / f"answers_{name}.jsonl"
-    if not out.is_file():
-        target = yaml.safe_load(recipe.read_text())["target"]["name_or_path"]
-        specforge(
-            "prepare",
-            f"target.name_or_path={target}",
-            f"output_dir={Path(args.output) / f'prepare_{name}'}",
-            "--data",
-            questions,
-            "--regenerate",
-            "--max-new-tokens",
-            str(args.max_new_tokens),
-            "--dtype",
-            "float32",
-            "--output",
-            str(out),
-        )
-    return out
 
 
 def continue_arm(arm: str, recipe: Path, step: int, args) -> Path:
@@ -105,46 +76,6 @@ def continue_arm(arm: str, recipe: Path, step: int, args) -> Path:
         f"train.on_policy.replay={ARMS[arm]}",
     )
     return out
-
-
-@torch.no_grad()
-def replayed_taus(runs: dict[str, Path], recipe: Path, answers_file: Path, depth: int) -> dict:
-    """The accept length of chain ``depth`` over ``answers_file`` with each run's newest draft
-    (float32 target and drafts), the target's states computed once a conversation for all."""
-    cfg = load_config(
-        recipe,
-        ["target.dtype=float32", "train.state_cache_gb=0", f"train.data_path={answers_file}"],
-    )
-    source = OnlineTarget(cfg, setup_distributed("cpu"), "cpu")
-    drafts = {
-        name: load_checkpoint_draft(
-            latest_sound_checkpoint(run / "checkpoints"), source.head.embed_tokens
-        )
-        for name, run in runs.items()
-    }
-    first = next(iter(drafts.values()))
-    if any(not torch.equal(draft.hot_ids, first.hot_ids) for draft in drafts.values()):
-        raise SystemExit(f"{', '.join(runs)}: the drafts' vocabularies differ")
-    objectives = {
-        name: TTTObjective(draft.float().eval(), depth, 1.0, replay_depth=depth).eval()
-        for name, draft in drafts.items()
-    }
-    counts = {name: [0, 0] for name in runs}  # emitted tokens, rounds
-    for sample in source.samples:
-        batch = collate([sample], source.pad_id)
-        aux, target_dist = source.states(batch, first)
-        for name, objective in objectives.items():
-            replayed = objective(batch, aux, target_dist).replayed
-            counts[name][0] += int(replayed.emitted)
-            counts[name][1] += int(replayed.rounds)
-    return {
-        name: {
-            "tau": round(emitted / rounds, 3),
-            "rounds": rounds,
-            "conversations": len(source.samples),
-        }
-        for name, (emitted, rounds) in counts.items()
-    }
 
 
 def bench_arms(runs: dict[str, Path], recipe: Path, sets: dict[str, str], args) -> dict:
@@ -213,7 +144,11 @@ def main() -> None:
     args = parser.parse_args()
     recipe, step = start_recipe(Path(args.start), Path(args.output))
     questions = dict(item.split("=", 1) for item in args.set)
-    sets = {name: answers(name, path, recipe, args) for name, path in questions.items()}
+    target = yaml.safe_load(recipe.read_text())["target"]["name_or_path"]
+    sets = {
+        name: answers(Path(args.output), name, path, target, args.max_new_tokens)
+        for name, path in questions.items()
+    }
     runs = {"start": Path(args.start)}
     runs |= {arm: continue_arm(arm, recipe, step, args) for arm in ARMS}
     scores = {name: replayed_taus(runs, recipe, path, args.depth) for name, path in sets.items()}
