@@ -104,13 +104,16 @@ def train_arm(arm: str, recipe: Path, data: Path, args) -> Path:
 
 
 def arm_row(arm: str, run: Path, scores: dict) -> dict:
-    """One arm's steps, held-out training metrics and accept length on each set."""
+    """One arm's steps, its held-out accept length replayed on the answers' held-out share at
+    step 0 and at the end, its held-out loss at step 0, and accept length on each set."""
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     held_out = [m for m in metrics if m.get("split") == "eval"]
     return {
         "arm": arm,
-        "steps": max(m["step"] for m in metrics if "step" in m),
-        "held_out_tau_pred": round(held_out[-1]["tau_pred"], 3) if held_out else None,
+        "steps": max(m["step"] for m in metrics),
+        "held_out_loss_step_0": round(held_out[0]["loss"], 3),
+        "held_out_tau_replay_step_0": round(held_out[0]["tau_replay"], 3),
+        "held_out_tau_replay": round(held_out[-1]["tau_replay"], 3),
         **{name: by_arm[arm] for name, by_arm in scores.items()},
     }
 
@@ -148,6 +151,13 @@ def main() -> None:
     report(args, rows, list(sets), data)
 
 
+def held_out_cell(row: dict) -> str:
+    """An arm's held-out replayed accept length at step 0 and at the end (``-``: no training)."""
+    if "held_out_tau_replay" not in row:
+        return "-"
+    return f"{row['held_out_tau_replay_step_0']} -> {row['held_out_tau_replay']}"
+
+
 def report(args, rows: list[dict], names: list[str], data: Path) -> None:
     """Write the result and print its table."""
     conversations = sum(1 for _ in iter_jsonl(data))
@@ -155,9 +165,20 @@ def report(args, rows: list[dict], names: list[str], data: Path) -> None:
         "columns": [
             "arm",
             "steps",
+            "held-out loss, step 0",
+            "held-out tau_replay, step 0 -> end",
             *(f"{n} chain-{args.depth} tau (replay)" for n in names),
         ],
-        "rows": [[r["arm"], r["steps"], *(r[n]["tau"] for n in names)] for r in rows],
+        "rows": [
+            [
+                r["arm"],
+                r["steps"],
+                r.get("held_out_loss_step_0", "-"),
+                held_out_cell(r),
+                *(r[n]["tau"] for n in names),
+            ]
+            for r in rows
+        ],
     }
     record = write_result(
         Path(args.result or Path(args.output) / "finetune.json"),
