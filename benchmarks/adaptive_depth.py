@@ -40,7 +40,8 @@ from common import profiled
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-from specforge.config import load_config, resolve_draft_quantize, torch_dtype
+from specforge.config import load_config
+from specforge.config.resolve import resolve_draft_quantize, torch_dtype
 from specforge.data.chat import end_of_turn_ids, prompt_ids
 from specforge.data.questions import ask_turns, load_questions, resolve_question_set
 from specforge.engine.prompt_lookup import ngram_candidates

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from specforge.config import load_config, resolve_auto
+from specforge.config import load_config
+from specforge.config.resolve import resolve_auto
 from specforge.io import read_jsonl, write_json_atomic, write_jsonl_atomic
 from specforge.recipes.train import train
 from specforge.results import write_result

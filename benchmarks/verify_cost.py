@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 from common import median_ms
 
-from specforge.config import TORCH_DTYPES, TargetConfig, torch_dtype
+from specforge.config import TargetConfig
+from specforge.config.resolve import TORCH_DTYPES, torch_dtype
 from specforge.engine.cache import crop_cache
 from specforge.engine.cpu.int8_linear import int8_linear_available, quantize_linears
 from specforge.engine.cpu.packed_linear import PackedLinear, default_linears, prepack_linears

@@ -6,14 +6,8 @@ from typing import Literal
 
 import pytest
 
-from specforge.config import (
-    ConfigError,
-    SpecForgeConfig,
-    bfloat16_is_fast,
-    int8_linear_available,
-    load_config,
-    resolve_auto,
-)
+from specforge.config import ConfigError, SpecForgeConfig, load_config
+from specforge.config.resolve import bfloat16_is_fast, int8_linear_available, resolve_auto
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
 

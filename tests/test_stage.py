@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 from specforge.cli import main
-from specforge.config import bfloat16_is_fast, load_config
+from specforge.config import load_config
+from specforge.config.resolve import bfloat16_is_fast
 from specforge.recipes.stage import ONEDNN_PRIMITIVE_CACHE_CAPACITY, start_stage
 
 CACHE_VARIABLE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"

@@ -43,7 +43,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from specforge.config import torch_dtype
+from specforge.config.resolve import torch_dtype
 from specforge.data.chat import TokenizedSample, scored_positions
 from specforge.errors import UserError
 from specforge.io import file_problem, file_sha256, write_bytes_atomic, write_json_atomic

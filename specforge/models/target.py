@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specforge.config import TargetConfig, resolve_auto_dtype, torch_dtype
+from specforge.config import TargetConfig
+from specforge.config.resolve import resolve_auto_dtype, torch_dtype
 from specforge.distributed import check_device
 from specforge.engine.cpu.packed_linear import prepack_linears
 from specforge.errors import UserError

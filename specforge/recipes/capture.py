@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specforge.config import SpecForgeConfig, torch_dtype
+from specforge.config import SpecForgeConfig
+from specforge.config.resolve import torch_dtype
 from specforge.data import hidden_states as store
 from specforge.data.batching import collate
 from specforge.data.chat import (

@@ -19,7 +19,8 @@ import logging
 import os
 from pathlib import Path
 
-from specforge.config import SpecForgeConfig, resolve_auto
+from specforge.config import SpecForgeConfig
+from specforge.config.resolve import resolve_auto
 from specforge.errors import UserError
 from specforge.families import check_options
 

@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import save_file
 
 from specforge import __version__
-from specforge.config import torch_dtype
+from specforge.config.resolve import torch_dtype
 from specforge.data.vocab import VocabMap
 from specforge.errors import UserError
 from specforge.io import (

@@ -10,7 +10,7 @@ import platform
 import pytest
 import torch
 
-from specforge.config import int8_linear_available
+from specforge.config.resolve import int8_linear_available
 from specforge.engine.cpu.packed_linear import packed_linear_available
 
 PINNED = {

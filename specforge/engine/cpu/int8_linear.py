@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specforge.config import int8_linear_available
+from specforge.config.resolve import int8_linear_available
 
 INT8_MAX = 127
 """The largest int8 magnitude a row's largest weight maps to (symmetric, no zero point)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from specforge.config import torch_dtype
+from specforge.config.resolve import torch_dtype
 from specforge.data.vocab import mask_token_for
 from specforge.errors import UserError
 from specforge.families.dflash.export import (

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from specforge.config import torch_dtype
+from specforge.config.resolve import torch_dtype
 from specforge.families.dflash.model import FROZEN_WEIGHTS, DFlashConfig, DFlashDraftModel
 from specforge.io import read_json, read_safetensors
 from specforge.models.adapter import text_config

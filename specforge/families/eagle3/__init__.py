@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from specforge.config import torch_dtype
+from specforge.config.resolve import torch_dtype
 from specforge.engine.cpu.int8_linear import quantize_linears
 from specforge.engine.cpu.packed_linear import prepack_linears
 from specforge.families.family import Capabilities, DraftFamily, EngineMethods, draft_vocabulary
