@@ -387,10 +387,11 @@ def checkpoint(run: TrainingRun, result: TrainResult, step: int, clocks: dict, d
     if due or stopped:
         result.checkpoint = save(run, step, clocks)
     if stopped:
+        # the quickstart resumes by itself: the same command, nothing added
+        how = "" if run.cfg.train.resume else " with --resume (train.resume=true)"
         raise Interrupted(
             f"stopped by {signal.Signals(stopped).name} after step {step}, checkpoint "
-            f"{result.checkpoint}: run the same command with --resume (train.resume=true) to "
-            "continue from it",
+            f"{result.checkpoint}: run the same command{how} to continue from it",
             stopped,
         )
 

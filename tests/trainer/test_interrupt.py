@@ -26,15 +26,18 @@ def _logged_steps(out) -> int:
     return max(steps, default=0)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(("signum", "resuming"), [(signal.SIGTERM, False), (signal.SIGINT, True)])
 def test_a_signal_during_training_saves_a_checkpoint_and_says_how_to_resume(
-    tmp_path, peaked_target_dir, signum
+    tmp_path, peaked_target_dir, signum, resuming
 ):
+    """A run that already resumes (``train.resume=true``, as the quickstart's) is told to run
+    the same command; one that does not, to add ``--resume``."""
     folder, data = peaked_target_dir
     out = tmp_path / "run"
     command = [sys.executable, "-m", "specforge.cli", "train"]
+    resume = ("train.resume=true",) * resuming
     process = subprocess.Popen(
-        [*command, *tiny_train_overrides(folder, data, out, *SLOW_RUN)],
+        [*command, *tiny_train_overrides(folder, data, out, *SLOW_RUN, *resume)],
         cwd=REPO,
         stderr=subprocess.PIPE,
         text=True,
@@ -48,7 +51,8 @@ def test_a_signal_during_training_saves_a_checkpoint_and_says_how_to_resume(
     assert process.returncode == 128 + signum, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("specforge train: stopped by " + signal.Signals(signum).name), last
-    assert "--resume" in last and "Traceback" not in stderr
+    assert ("--resume" in last) != resuming and "Traceback" not in stderr
+    assert "run the same command" in last
     saved = sorted(int(p.name.removeprefix("step_")) for p in (out / "checkpoints").iterdir())
     assert saved and saved[-1] >= 2 and f"step_{saved[-1]}" in last
 
