@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from specforge.config import load_config
-from specforge.engine.prompt_lookup import prompt_lookup_generate
 from specforge.engine.target import TargetEngine
 from specforge.models.adapter import text_config
 from specforge.models.target import default_aux_layer_ids, load_target
 from specforge.results import write_result
+from specforge.serving.speculative import SpeculativeDecoder
 
 TINY = "tiny-llama"
 
@@ -70,7 +70,7 @@ def measure(name: str, tokens: int) -> dict:
     eager = per_token(TargetEngine(model, aux_layer_ids=aux, compile=False), ids, tokens)
     compiled = TargetEngine(model, aux_layer_ids=aux, compile=True)
     # both graphs: verifying several tokens (prompt lookup's rounds) and decoding one
-    prompt_lookup_generate(compiled, ids, max_new_tokens=16, num_tokens=4)
+    SpeculativeDecoder.prompt_lookup(compiled, 4).generate(ids, max_new_tokens=16)
     compiled.generate(ids, max_new_tokens=4)
     compile_seconds = compiled.stats.compile_seconds
     fast = per_token(compiled, ids, tokens)

@@ -36,7 +36,6 @@ import torch
 from specforge.config import DEFAULT_RECIPE, QuickstartConfig, SpecForgeConfig, load_config
 from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.questions import load_questions
-from specforge.engine.prompt_lookup import prompt_lookup_generate
 from specforge.engine.target import build_engine
 from specforge.errors import UserError
 from specforge.io import write_json_atomic
@@ -120,8 +119,8 @@ def estimate_bench_seconds(cfg: SpecForgeConfig) -> float:
     engine_per_token, compile_seconds = hf_per_token, 0.0
     if engine is not None:  # else the bench decodes through transformers too
 
-        def through_engine(tokens: int) -> list[int]:  # greedy: no proposals to verify
-            return prompt_lookup_generate(engine, ids, max_new_tokens=tokens, num_tokens=0)[0]
+        def through_engine(tokens: int) -> list[int]:  # the bench's target alone
+            return engine.generate(ids, max_new_tokens=tokens)
 
         engine_per_token = _per_token(through_engine)
         compile_seconds = COMPILATIONS * engine.stats.compile_seconds

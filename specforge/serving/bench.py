@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from specforge.engine.prompt_lookup import prompt_lookup_generate
 from specforge.engine.target import TargetEngine
 from specforge.io import write_json_atomic, write_text_atomic
 from specforge.serving.advice import advice_markdown, sglang_advice
@@ -153,6 +152,13 @@ class MethodComparison:
         self.decoder = decoder
         self.max_new_tokens = max_new_tokens
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
+        self.prompt_lookup = (
+            SpeculativeDecoder.prompt_lookup(engine, prompt_lookup_num_tokens)
+            if engine is not None and prompt_lookup_num_tokens
+            else None
+        )
+        """Prompt-lookup decoding through the runtime's loop on the engine (``None``: HF's
+        ``generate`` decodes it, or it is off)."""
         self.eos = eos_token_ids
         self.pad = pad_token_id
 
@@ -169,16 +175,13 @@ class MethodComparison:
         """Prompt-lookup decoding (greedy) through the engine, or HF ``generate``'s where no
         engine runs the target: the new token ids and the verification rounds (``None``:
         HF's, not counted)."""
-        if self.engine is None:
+        if self.prompt_lookup is None:
             kwargs = {"prompt_lookup_num_tokens": self.prompt_lookup_num_tokens}
             return self.target_generate(ids, self.max_new_tokens, **kwargs), None
-        return prompt_lookup_generate(
-            self.engine,
-            ids,
-            max_new_tokens=self.max_new_tokens,
-            num_tokens=self.prompt_lookup_num_tokens,
-            eos_token_ids=self.eos,
+        tokens, stats = self.prompt_lookup.generate(
+            ids, max_new_tokens=self.max_new_tokens, eos_token_ids=self.eos
         )
+        return tokens, stats.verifications
 
     def prepare(self, tokens: int) -> int:
         """Before the warm-up: the engine's buffers for sequences of up to ``tokens`` tokens

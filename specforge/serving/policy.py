@@ -17,6 +17,7 @@ import torch
 
 from specforge.config import AUTO_MAX_DEPTH
 from specforge.engine.generation import warp_probs
+from specforge.engine.prompt_lookup import ngram_candidates
 from specforge.errors import UserError
 from specforge.serving.adaptive import (
     AcceptanceEstimate,
@@ -109,7 +110,8 @@ class Fan:
 @dataclass
 class Plan:
     """A round as a policy planned it: a chain of :attr:`depth` tokens (:attr:`tokens`, or the
-    proposer drafts them), or a :attr:`tree`."""
+    proposer drafts them), or a :attr:`tree`; the runtime verifies its :attr:`tree`, a chain
+    as a tree of width one."""
 
     depth: int
     """Tokens verified after the last one (0 decodes one token alone)."""
@@ -121,11 +123,16 @@ class Plan:
     fan: Fan | None = None
     """Greedy ``auto``: the chain's facts to learn from."""
     tree: DraftTree | None = None
-    """A tree to verify instead (greedy ``auto``'s fan: siblings or lookup's tokens beside the
-    chain), and the token lists it merged (:func:`~specforge.serving.tree.merged_tree`)."""
+    """What the round verifies: greedy ``auto``'s fan (siblings or lookup's tokens beside the
+    chain) with the token lists it merged in :attr:`paths`
+    (:func:`~specforge.serving.tree.merged_tree`), else set by the runtime (the chain, or the
+    proposer's tree)."""
     paths: list[list[int]] = field(default_factory=list)
     lookup: bool = False
     """The chain is prompt lookup's, not the draft's."""
+    dormant: bool = False
+    """A round the draft sleeps through (:class:`~specforge.serving.adaptive.Dormancy`): the
+    target decodes one token alone."""
 
     def capped(self, room: int) -> Plan:
         """This plan verifying at most ``room`` tokens after the last (a round emits at most
@@ -201,6 +208,25 @@ class FixedDepth:
         return None
 
 
+class LookupOnly(FixedDepth):
+    """Prompt-lookup decoding, the bench's free baseline: each round verifies the up to
+    ``num_steps`` tokens that followed the last n-gram's earlier occurrence
+    (:func:`~specforge.engine.prompt_lookup.ngram_candidates`, as transformers' prompt lookup
+    proposes), or none (a plain round) when nothing matches."""
+
+    def __init__(self, num_steps: int, device: torch.device):
+        super().__init__(num_steps)
+        self.device = device
+        self.proposal: torch.Tensor | None = None
+
+    def begin_round(self, prompt: torch.Tensor, output: list[int], *, awake: bool) -> None:
+        sequence = torch.cat([prompt.cpu(), torch.tensor(output)])
+        self.proposal = ngram_candidates(sequence, num_tokens=self.num_steps)
+
+    def plan(self, proposer) -> Plan:
+        return Plan(len(self.proposal), tokens=self.proposal.to(self.device), lookup=True)
+
+
 def new_policy(num_steps: int, *, auto: bool, **settings) -> FixedDepth | AutoPolicy:
     """The policy a runtime plans its rounds with: :class:`AutoPolicy` for ``auto`` (its
     ``settings``: :class:`AutoPolicy`'s keyword arguments), else :class:`FixedDepth`.
@@ -218,12 +244,17 @@ class Outcome:
     """What a verified round gives its policy to learn from."""
 
     depth: int
-    accepted: int
+    path: list[int]
+    """The accepted nodes of the round's proposal (a chain's: ``0 .. accepted - 1``)."""
     bonus: int
     target_logits: torch.Tensor
     """(rows, V) float32: the target's logits over the verified tokens."""
     seconds: float
     """The verification's wall time."""
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
 
 
 class AutoPolicy:
@@ -253,10 +284,11 @@ class AutoPolicy:
         self.temperature, self.top_p, self.device = temperature, top_p, device
         self.trees = trees
         self.max_siblings = max_siblings if trees else 0
-        self.lookup_tokens = lookup_tokens
         self.costs: CostModel | None = None
         """This device's round costs (measured by the runtime's ``calibrate``): the machine's,
         so they carry from request to request."""
+        self.lookup = PromptLookup(lookup_tokens) if lookup_tokens else None
+        """Prompt lookup competing with the draft (``lookup_tokens``)."""
         self.begin_request()
 
     def begin_request(self) -> None:
@@ -272,8 +304,8 @@ class AutoPolicy:
         token, and where it proposes the same (greedy with ``lookup_tokens``)."""
         self.sibling_confidence = ConfidenceCalibration()
         """The same for the first position's further candidates (greedy)."""
-        self.lookup = PromptLookup(self.lookup_tokens) if self.lookup_tokens else None
-        """Prompt lookup competing with the draft (``lookup_tokens``)."""
+        if self.lookup is not None:
+            self.lookup.reset()
         self.dormancy = Dormancy()
 
     @property
@@ -347,9 +379,13 @@ class AutoPolicy:
         return Plan(len(fan.chain), tokens=chain, fan=fan)
 
     def observe(self, plan: Plan, outcome: Outcome, proposer: EagleProposer, stats) -> None:
-        """3. What a chain round teaches: the verification's cost, the positions reached, the
-        draft's confidences and the siblings' (greedy), or the first position's would-be
-        acceptance of a plain sampled round. Lookup's rounds are marked in ``stats``."""
+        """3. What a verified round teaches: the verification's cost; for a fan, the
+        siblings' confidences and the chain's along the accepted path
+        (:meth:`_observe_fan`); for a chain, the positions reached and the draft's
+        confidences (greedy), or the first position's would-be acceptance of a plain sampled
+        round. Lookup's rounds are marked in ``stats``."""
+        if plan.paths:
+            return self._observe_fan(plan, outcome, stats)
         self.costs.observe_verify(outcome.depth + 1, outcome.seconds)
         if plan.lookup:
             stats.lookup_rounds.append(len(stats.accepted_per_round))
@@ -364,12 +400,14 @@ class AutoPolicy:
             target_probs = warp_probs(outcome.target_logits[-1], self.temperature, self.top_p)
             self.estimate.counts.observe(1, proposer.first_acceptance(target_probs))
 
-    def observe_tree(self, plan: Plan, path: list[int], outcome: Outcome, stats) -> None:
-        """3. What a fan's tree round teaches: its cost, the siblings' confidences, and the
-        chain's, along the accepted ``path`` (the chain's tokens on it, then the target's
-        next); which of them was accepted is marked in ``stats``."""
-        fan, tree = plan.fan, plan.tree
-        self.costs.observe_verify(1 + len(tree.tokens), outcome.seconds, tree=True)
+    def _observe_fan(self, plan: Plan, outcome: Outcome, stats) -> None:
+        """What a fan's round teaches: its cost (a tree's, unless the fan merged into a
+        chain), the siblings' confidences, and the chain's, along the accepted path (the
+        chain's tokens on it, then the target's next); which of them was accepted is marked
+        in ``stats``."""
+        fan, tree, path = plan.fan, plan.tree, outcome.path
+        width = 1 + len(tree.tokens)
+        self.costs.observe_verify(width, outcome.seconds, tree=not tree.is_chain)
         self.learn_siblings(fan.ranked, outcome.target_logits)
         chain, accepted = plan.paths[0], 0  # the chain's tokens on the accepted path
         while accepted < min(len(path), len(chain)) and path[accepted] == chain[accepted]:

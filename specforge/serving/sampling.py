@@ -9,7 +9,9 @@ warped) distribution exactly, whatever the draft proposes.
   Recursive rejection sampling over point masses accepts child ``c_j`` with probability
   ``p'(c_j)`` (``p'`` = ``p`` with the rejected siblings removed and renormalized), which is the
   same as drawing ``x ~ p`` once and descending into the child equal to ``x`` (stopping with
-  ``x`` as the bonus when none is). That is what :func:`accept_tree_sampling` does.
+  ``x`` as the bonus when none is).
+
+:func:`accept_sampling` does both, a chain being a tree of width one.
 """
 
 from __future__ import annotations
@@ -24,39 +26,14 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def accept_chain_sampling(
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None,
-) -> tuple[int, int]:
-    """Leviathan-style verification of a sampled chain.
-
-    Args:
-        draft_tokens: (K,) target ids the draft sampled.
-        draft_probs: (K, V) the draft distributions they were sampled from, on the target vocab.
-        target_probs: (K + 1, V) the target's warped distributions at the root and each token.
-
-    Returns:
-        ``(accepted count, next token)``: the next token is the residual sample after a
-        rejection, or the bonus sample after full acceptance.
-    """
-    for k, token in enumerate(draft_tokens.tolist()):
-        p, q = target_probs[k, token], draft_probs[k, token]
-        uniform = torch.rand((), generator=generator, device=target_probs.device)
-        if q > 0 and uniform * q <= p:  # accept with probability min(1, p / q)
-            continue
-        residual = (target_probs[k] - draft_probs[k]).clamp(min=0)
-        if residual.sum() <= 0:  # p == q: cannot happen after a rejection, kept for safety
-            residual = target_probs[k]
-        return k, sample(residual / residual.sum(), generator)
-    return len(draft_tokens), sample(target_probs[len(draft_tokens)], generator)
-
-
-def accept_tree_sampling(
+def accept_sampling(
     tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[list[int], int]:
-    """Sampling verification of a top-k tree (see the module docstring).
+    """Sampling verification of a proposal, a chain or a tree (see the module docstring): at
+    each node reached, a child drawn from a draft distribution (``tree.dists``: a sampled
+    chain's, one child) is accepted with probability ``min(1, p / q)``, else the round ends
+    with a draw from the residual; point-mass children (a greedy chain, a top-k tree) are
+    descended into when they equal one draw from ``p``, which otherwise ends the round.
 
     Args:
         target_probs: (1 + M, V) the target's warped distributions at the root and each node.
@@ -67,8 +44,21 @@ def accept_tree_sampling(
     path: list[int] = []
     current = -1
     while True:
-        drawn = sample(target_probs[current + 1], generator)
-        match = next((c for c in tree.children(current) if int(tree.tokens[c]) == drawn), None)
+        p, children = target_probs[current + 1], tree.children(current)
+        if tree.dists is not None and children:  # Leviathan et al. on the one drawn child
+            (child,) = children
+            token, q = int(tree.tokens[child]), tree.dists[child]
+            uniform = torch.rand((), generator=generator, device=target_probs.device)
+            if q[token] > 0 and uniform * q[token] <= p[token]:
+                path.append(child)
+                current = child
+                continue
+            residual = (p - q).clamp(min=0)
+            if residual.sum() <= 0:  # p == q: cannot happen after a rejection, kept for safety
+                residual = p
+            return path, sample(residual / residual.sum(), generator)
+        drawn = sample(p, generator)
+        match = next((c for c in children if int(tree.tokens[c]) == drawn), None)
         if match is None:
             return path, drawn
         path.append(match)

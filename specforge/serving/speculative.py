@@ -34,15 +34,17 @@ from specforge.errors import UserError
 from specforge.serving.adaptive import CostModel, calibrate
 from specforge.serving.policy import (
     AUTO_MAX_SIBLINGS,
+    LookupOnly,
     Outcome,
     Plan,
     checked_depth,
     new_policy,
 )
 from specforge.serving.proposers import eagle_proposer
-from specforge.serving.sampling import accept_chain_sampling, accept_tree_sampling, sample
+from specforge.serving.proposers.lookup import NoDraft
+from specforge.serving.sampling import accept_sampling, sample
 from specforge.serving.stats import SpecStats
-from specforge.serving.tree import accept_greedy
+from specforge.serving.tree import DraftTree, accept_greedy
 from specforge.serving.verifier import TargetVerifier
 
 
@@ -140,6 +142,23 @@ class SpeculativeDecoder:
             **sampling,
         )
 
+    @classmethod
+    def prompt_lookup(cls, engine: TargetEngine, num_tokens: int) -> SpeculativeDecoder:
+        """Prompt-lookup decoding (greedy) through ``engine``: this runtime's rounds with no
+        draft, each verifying the n-gram proposal of up to ``num_tokens`` tokens
+        (:class:`~specforge.serving.policy.LookupOnly`), so the baseline a draft has to beat
+        runs the same loop, verification and acceptor as the draft."""
+        decoder = cls(
+            engine.model,
+            None,
+            aux_layer_ids=engine.aux_layer_ids,
+            proposer=NoDraft,
+            num_steps=num_tokens,
+            engine=engine,
+        )
+        decoder.policy = LookupOnly(num_tokens, decoder.device)
+        return decoder
+
     # -- what the policy and the proposer hold -----------------------------------------------
 
     @property
@@ -210,105 +229,58 @@ class SpeculativeDecoder:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    # -- rounds: each returns the emitted tokens, the accepted count and their aux rows -------
+    # -- a round: plan and propose, verify, accept ------------------------------------------
 
     def _propose(self, stats: SpecStats) -> Plan:
-        """1. The policy's plan for this round, its chain drafted (fixed depth; sampling
-        ``auto``) where the policy has not drafted it; timed as drafting."""
+        """1. The policy's plan for this round with its proposal (:attr:`Plan.tree`): the
+        policy's own (greedy ``auto``'s chain or fan, prompt lookup's tokens), else the
+        proposer's chain of the planned depth or its tree (``topk > 1``), none past what the
+        turn can still use; timed as drafting."""
         start = self._clock()
         plan = self.policy.plan(self.proposer).capped(self._room - 1)
-        if plan.tree is None and plan.depth and plan.tokens is None:
-            plan.tokens, plan.dists = self.proposer.chain(plan.depth)
+        if plan.tree is None and self.topk > 1 and plan.depth:
+            shape = {"topk": self.topk, "num_draft_tokens": self.num_draft_tokens}
+            plan.tree = self.proposer.tree(num_steps=self.num_steps, **shape).within(plan.depth)
+        elif plan.tree is None:
+            if plan.depth and plan.tokens is None:
+                plan.tokens, plan.dists = self.proposer.chain(plan.depth)
+            plan.tree = DraftTree.chain(self._tokens(plan.tokens), plan.dists)
         stats.draft_seconds += self._clock() - start
         return plan
 
-    def _chain_round(self, next_token: int, length: int, target_cache, stats: SpecStats):
-        """One chain round (or the tree greedy ``auto`` plans, :meth:`_fan_round`)."""
-        plan = self._propose(stats)
-        if plan.tree is not None:
-            return self._fan_round(next_token, length, plan, target_cache, stats)
-        # 2. verify: [last token, d_1 .. d_K] at positions length .. length + K
-        depth, tokens = plan.depth, plan.tokens
-        verify_ids = torch.tensor([next_token], device=self.device)
-        if depth:
-            verify_ids = torch.cat([verify_ids, tokens[:depth]])
-        verify = self.verifier.forward
-        target_logits, aux, seconds = self._verify(stats, verify, verify_ids[None], target_cache)
-        # 3. accept
-        if not depth:
-            accepted, bonus = 0, self._plain_token(target_logits[-1])
-        elif self.sampling:
-            target_probs = warp_probs(target_logits, self.temperature, self.top_p)
-            accepted, bonus = accept_chain_sampling(
-                tokens[:depth], plan.dists[:depth], target_probs, self.generator
-            )
-        else:
-            accepted, bonus = self.verifier.accept(tokens[:depth], target_logits)
-        outcome = Outcome(depth, accepted, bonus, target_logits, seconds)
-        self.policy.observe(plan, outcome, self.proposer, stats)
-        stats.depth_per_round.append(depth)
-        crop_cache(target_cache, length + 1 + accepted)
-        emitted = (tokens[:accepted].tolist() if depth else []) + [bonus]
-        return emitted, accepted, aux[:, : accepted + 1]
+    def _tokens(self, tokens: torch.Tensor | None) -> torch.Tensor:
+        """A chain's tokens, or none (a plain round)."""
+        if tokens is None:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        return tokens
 
-    def _fan_round(self, next_token: int, length: int, plan: Plan, target_cache, stats):
-        """Greedy ``auto``'s tree round: verify the plan's tree, accept the longest matching
-        path and keep its cache rows only; the policy learns from the target's tokens."""
-        tree = plan.tree
-        verify = self.verifier.tree
-        target_logits, aux, seconds = self._verify(
-            stats, verify, tree, next_token, length, target_cache
-        )
-        path, bonus = accept_greedy(tree, target_logits)
-        outcome = Outcome(len(path), len(path), bonus, target_logits, seconds)
-        self.policy.observe_tree(plan, path, outcome, stats)
+    def _verified(self, plan: Plan, next_token: int, length: int, target_cache, stats):
+        """2. and 3. The target verifies the plan's proposal after ``next_token``, the one
+        acceptor keeps its longest accepted path (greedy, or by rejection sampling) and the
+        target's next token, the cache keeps their rows, the policy observes. Returns the
+        emitted tokens, the accepted count and their aux rows."""
+        tree, start = plan.tree, self._clock()
+        target_logits, aux = self.verifier.verify(tree, next_token, length, target_cache)
+        seconds = self._clock() - start
+        stats.verify_seconds += seconds
+        if self.sampling:
+            target_probs = warp_probs(target_logits, self.temperature, self.top_p)
+            path, bonus = accept_sampling(tree, target_probs, self.generator)
+        else:
+            path, bonus = accept_greedy(tree, target_logits)
+        if plan.dormant:
+            self.policy.observe_plain(seconds)
+        else:
+            outcome = Outcome(plan.depth, path, bonus, target_logits, seconds)
+            self.policy.observe(plan, outcome, self.proposer, stats)
         stats.depth_per_round.append(plan.depth)
         return self.verifier.keep_path(tree, path, bonus, length, target_cache, aux)
 
-    def _verify(self, stats: SpecStats, forward, *args):
-        """2. A verification forward (the verifier's ``forward`` or ``tree`` over ``args``),
-        timed into ``stats.verify_seconds``: its logits, aux rows and the seconds it took."""
-        start = self._clock()
-        target_logits, aux = forward(*args)
-        seconds = self._clock() - start
-        stats.verify_seconds += seconds
-        return target_logits, aux, seconds
-
-    def _plain_round(self, next_token: int, target_cache, stats: SpecStats):
-        """A round the draft sleeps through (``auto``'s dormancy): the target decodes one
-        token alone, keeping the aux row the draft extends over when it wakes."""
-        token = torch.tensor([[next_token]], device=self.device)
-        logits, aux, seconds = self._verify(stats, self.verifier.forward, token, target_cache)
-        self.policy.observe_plain(seconds)
-        stats.depth_per_round.append(0)
-        stats.dormant_rounds += 1
-        return [self._plain_token(logits[-1])], 0, aux
-
     def _plain_token(self, logits: torch.Tensor) -> int:
-        """The target's next token from its own logits (a depth-0 round)."""
+        """The target's next token from its own logits (the prefill's)."""
         if self.sampling:
             return sample(warp_probs(logits, self.temperature, self.top_p), self.generator)
         return int(logits.argmax())
-
-    def _tree_round(self, next_token: int, length: int, target_cache, stats: SpecStats):
-        """One tree round (see :mod:`specforge.serving.tree`)."""
-        # 1. draft a tree
-        start = self._clock()
-        tree = self.proposer.tree(
-            topk=self.topk, num_steps=self.num_steps, num_draft_tokens=self.num_draft_tokens
-        ).within(self._room - 1)  # no level past what the turn can still use
-        stats.draft_seconds += self._clock() - start
-        # 2. verify root + tree in one forward with the tree mask
-        verify = self.verifier.tree
-        target_logits, aux, _ = self._verify(stats, verify, tree, next_token, length, target_cache)
-        # 3. accept the longest matching path; keep its cache rows only
-        if self.sampling:
-            target_probs = warp_probs(target_logits, self.temperature, self.top_p)
-            path, bonus = accept_tree_sampling(tree, target_probs, self.generator)
-        else:
-            path, bonus = accept_greedy(tree, target_logits)
-        stats.depth_per_round.append(min(self.num_steps, self._room - 1))
-        return self.verifier.keep_path(tree, path, bonus, length, target_cache, aux)
 
     # -- a sequence ----------------------------------------------------------------------------
 
@@ -331,16 +303,16 @@ class SpeculativeDecoder:
         round_start, measured = self._clock(), stats.draft_seconds + stats.verify_seconds
         asleep = self.policy.sleeping()
         self.policy.begin_round(self._prompt[0], output, awake=not asleep)
-        if asleep:
-            new_tokens, accepted, aux = self._plain_round(next_token, target_cache, stats)
+        if asleep:  # the target decodes one token alone, keeping the aux row the draft needs
+            plan = Plan(0, tree=DraftTree.chain(self._tokens(None)), dormant=True)
+            stats.dormant_rounds += 1
         else:
             if self.proposer.catch_up():
                 stats.extend_seconds += self._clock() - round_start
-            # a tree round with one token left would verify none: a plain chain round
-            tree = self.topk > 1 and self._room > 1
-            round_ = self._tree_round if tree else self._chain_round
-            new_tokens, accepted, aux = round_(next_token, length, target_cache, stats)
-            self.policy.woke(stats.depth_per_round[-1])
+            plan = self._propose(stats)
+        new_tokens, accepted, aux = self._verified(plan, next_token, length, target_cache, stats)
+        if not asleep:
+            self.policy.woke(plan.depth)
         self.policy.end_round(new_tokens)
         stats.verifications += 1
         stats.accepted_per_round.append(accepted)

@@ -31,7 +31,8 @@ from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
 
 @dataclass
 class DraftTree:
-    """The selected nodes, parents before children."""
+    """What a round verifies after its last token: the proposed nodes, parents before
+    children. A chain is a tree of width one (:meth:`chain`), no proposal an empty one."""
 
     tokens: torch.Tensor
     """(M,) target ids."""
@@ -39,6 +40,27 @@ class DraftTree:
     """(M,) index of the parent node in this tree, ``-1`` for the root."""
     depths: torch.Tensor
     """(M,) depth, 1..num_steps."""
+    dists: torch.Tensor | None = None
+    """Sampling: (M, V) the draft distribution each node was drawn from (a sampled chain's);
+    ``None``: each node is a point mass (a greedy chain, a top-k tree's children)."""
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, dists: torch.Tensor | None = None) -> DraftTree:
+        """The chain ``tokens`` (K,) (drawn from ``dists`` (K, V) when sampled): node ``k``'s
+        parent is node ``k - 1``."""
+        size = len(tokens)
+        return cls(
+            tokens=tokens,
+            parents=torch.arange(-1, size - 1),
+            depths=torch.arange(1, size + 1),
+            dists=dists,
+        )
+
+    @property
+    def is_chain(self) -> bool:
+        """Every node the child of the one before (the empty tree too): verified as one
+        sequence, no tree mask."""
+        return self.parents.tolist() == list(range(-1, len(self.parents) - 1))
 
     def ancestors_mask(self) -> torch.Tensor:
         """(M, M) bool: node ``i`` may attend to node ``j`` (``j`` is ``i`` or an ancestor)."""
@@ -65,10 +87,12 @@ class DraftTree:
         if len(kept) == len(index):
             return self
         parents = [-1 if p < 0 else index[p] for p in self.parents[kept].tolist()]
+        rows = torch.tensor(kept, dtype=torch.long, device=self.tokens.device)
         return DraftTree(
-            tokens=self.tokens[torch.tensor(kept, device=self.tokens.device)],
+            tokens=self.tokens[rows],
             parents=torch.tensor(parents, dtype=torch.long),
             depths=self.depths[kept],
+            dists=None if self.dists is None else self.dists[rows],
         )
 
     def children(self, node: int) -> list[int]:
@@ -337,7 +361,8 @@ def row_argmax(logits: torch.Tensor) -> Callable[[int], int]:
 
 
 def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
-    """Walk down the tree while a child equals the target's argmax.
+    """Greedy acceptance, of a chain or a tree: walk down while a child equals the target's
+    argmax (the one greedy acceptor: the runtime's rounds and the prompt-lookup baseline).
 
     Args:
         target_logits: (1 + M, V) the target's logits at the root and at every node.

@@ -1,7 +1,8 @@
-"""The target's side of a round: its KV cache, its forward over the proposed tokens (a chain,
-or a tree under its mask) returning float32 logits and the target features the draft reads
-next, and what it accepts. Through the engine (:class:`~specforge.engine.target.TargetEngine`)
-where one runs the target, else transformers' forward with a growing cache."""
+"""The target's side of a round: its KV cache, its forward over the proposed tokens (a chain
+as one sequence, a tree under its mask) returning float32 logits and the target features the
+draft reads next, and the accepted path's cache rows kept. Through the engine
+(:class:`~specforge.engine.target.TargetEngine`) where one runs the target, else
+transformers' forward with a growing cache."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from specforge.errors import UserError
 from specforge.models.adapter import check_logits, serving_refusal, tree_refusal
 from specforge.models.kv_cache import growing_cache
 from specforge.models.target import target_hidden_states
-from specforge.serving.tree import DraftTree, row_argmax, tree_attention, verification_inputs
+from specforge.serving.tree import DraftTree, tree_attention, verification_inputs
 
 
 class TargetVerifier:
@@ -70,9 +71,14 @@ class TargetVerifier:
         return self.transform(logits.float()), states.aux_hidden_states
 
     @torch.no_grad()
-    def tree(self, tree: DraftTree, next_token: int, length: int, cache):
-        """The target over the root ``next_token`` (at position ``length``) and ``tree`` with
-        the tree mask: logits and fused-aux inputs per row."""
+    def verify(self, tree: DraftTree, next_token: int, length: int, cache):
+        """The target over the round's last token ``next_token`` (at position ``length``) and
+        the proposal ``tree``: a chain as one sequence, a tree with the tree mask. Returns
+        logits and fused-aux inputs per row (the last token's, then each node's)."""
+        device = tree.tokens.device
+        if tree.is_chain:
+            ids = torch.cat([torch.tensor([next_token], device=device), tree.tokens])
+            return self.forward(ids[None], cache)
         ids, positions, visible = verification_inputs(tree, next_token, length)
         if self.engine is not None:
             return self.forward(ids, cache, positions, visible=visible)
@@ -80,20 +86,12 @@ class TargetVerifier:
             return self.forward(ids, cache, positions)
 
     @staticmethod
-    def accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-        """Greedy acceptance: the number ``a`` of leading draft tokens equal to the target's
-        argmax, and the target's token after them (the bonus)."""
-        predicted, accepted = row_argmax(target_logits), 0  # rows 0 .. K
-        for token in draft_tokens.tolist():
-            if predicted(accepted) != token:
-                break
-            accepted += 1
-        return accepted, predicted(accepted)
-
-    @staticmethod
     def keep_path(tree: DraftTree, path: list[int], bonus: int, length: int, cache, aux):
         """Keep the accepted ``path``'s cache rows only; returns what a round returns: the
         emitted tokens, how many draft tokens were accepted and their aux rows."""
         rows = [0] + [node + 1 for node in path]
-        gather_cache(cache, length, rows)
-        return [int(tree.tokens[node]) for node in path] + [bonus], len(path), aux[:, rows]
+        gather_cache(cache, length, rows)  # a chain's rows are in place: a crop
+        tokens = tree.tokens.tolist()
+        in_place = rows == list(range(len(rows)))  # a chain's, a tree's leading path
+        kept = aux[:, : len(rows)] if in_place else aux[:, rows]
+        return [tokens[node] for node in path] + [bonus], len(path), kept

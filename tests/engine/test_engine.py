@@ -13,11 +13,7 @@ from specforge.engine.cpu import decode_kernel, row_buckets
 from specforge.engine.cpu.packed_linear import PackedLinear
 from specforge.engine.cpu.row_buckets import row_buckets_missing
 from specforge.engine.generation import ContinuousBatcher, GenerationSettings, Request
-from specforge.engine.prompt_lookup import (
-    longest_match,
-    ngram_candidates,
-    prompt_lookup_generate,
-)
+from specforge.engine.prompt_lookup import longest_match, ngram_candidates
 from specforge.engine.target import TargetEngine, build_engine
 from specforge.errors import UserError
 from specforge.serving.speculative import SpeculativeDecoder
@@ -25,6 +21,16 @@ from tests.helpers import EVERY_KERNEL_PLAN, greedy_reference, make_tiny_llama, 
 
 VOCAB = 96
 AUX = [1, 1, 0]
+
+
+def prompt_lookup_generate(engine, prompt, *, max_new_tokens, num_tokens, eos_token_ids=()):
+    """Prompt-lookup decoding through the runtime's loop (the bench's baseline): the tokens
+    and the verification rounds."""
+    decoder = SpeculativeDecoder.prompt_lookup(engine, num_tokens)
+    tokens, stats = decoder.generate(
+        prompt, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids
+    )
+    return tokens, stats.verifications
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,9 @@ from specforge.serving.adaptive import (
     tree_rate,
 )
 from specforge.serving.proposers.lookup import PromptLookup
-from specforge.serving.sampling import accept_chain_sampling
+from specforge.serving.sampling import accept_sampling
 from specforge.serving.speculative import SpeculativeDecoder
+from specforge.serving.tree import DraftTree
 from tests.helpers import StubDraft, greedy_reference
 from tests.serving.test_sampling import VOCAB as SAMPLED_VOCAB
 from tests.serving.test_sampling import models  # noqa: F401
@@ -255,7 +256,8 @@ def test_first_acceptance_is_the_rate_sampling_verification_accepts_a_first_draf
     for _ in range(trials):
         token = torch.multinomial(q, 1, generator=generator)
         target_probs = torch.stack([p, p])  # the root and the bonus position
-        accepted += accept_chain_sampling(token, q[None], target_probs, generator)[0]
+        path, _ = accept_sampling(DraftTree.chain(token, q[None]), target_probs, generator)
+        accepted += len(path)
     rate = first_acceptance(q, p)
     assert 0.2 < rate < 0.9  # a case where the draft is neither useless nor exact
     assert accepted / trials == pytest.approx(rate, abs=4 * (rate * (1 - rate) / trials) ** 0.5)

@@ -13,7 +13,7 @@ from specforge.engine.target import TargetEngine
 from specforge.families import family
 from specforge.families.dflash.model import DFlashConfig, build_dflash_model
 from specforge.models.eagle3 import Eagle3Config, build_draft_model
-from specforge.serving.sampling import accept_chain_sampling, accept_tree_sampling
+from specforge.serving.sampling import accept_sampling
 from specforge.serving.speculative import SpeculativeDecoder
 from specforge.serving.tree import DraftTree
 from tests.helpers import make_tiny_llama
@@ -228,26 +228,34 @@ def point_mass(token: int, vocab: int = VOCAB) -> torch.Tensor:
     return probs
 
 
-def test_chain_acceptor_keeps_tokens_the_target_is_sure_of():
+def chain_outcome(tokens, draft_probs, target_probs, generator) -> tuple[int, int]:
+    """``(accepted count, next token)`` of the acceptor on the chain ``tokens`` drawn from
+    ``draft_probs``."""
+    path, token = accept_sampling(DraftTree.chain(tokens, draft_probs), target_probs, generator)
+    assert path == list(range(len(path)))
+    return len(path), token
+
+
+def test_the_acceptor_on_a_sampled_chain_keeps_tokens_the_target_is_sure_of():
     draft_tokens = torch.tensor([2, 5, 1])
     draft_probs = torch.stack([point_mass(t) for t in (2, 5, 1)])
     target_probs = torch.stack([point_mass(t) for t in (2, 5, 1, 7)])
     for seed in range(20):
         generator = torch.Generator().manual_seed(seed)
-        assert accept_chain_sampling(draft_tokens, draft_probs, target_probs, generator) == (3, 7)
+        assert chain_outcome(draft_tokens, draft_probs, target_probs, generator) == (3, 7)
 
 
-def test_chain_acceptor_rejects_a_token_the_target_never_emits():
+def test_the_acceptor_on_a_sampled_chain_rejects_a_token_the_target_never_emits():
     draft_tokens = torch.tensor([2, 5])
     draft_probs = torch.stack([point_mass(2), point_mass(5)])
     # the target agrees on the first token, never emits the second (it wants 6 there)
     target_probs = torch.stack([point_mass(2), point_mass(6), point_mass(0)])
     for seed in range(20):
         generator = torch.Generator().manual_seed(seed)
-        assert accept_chain_sampling(draft_tokens, draft_probs, target_probs, generator) == (1, 6)
+        assert chain_outcome(draft_tokens, draft_probs, target_probs, generator) == (1, 6)
 
 
-def test_chain_acceptor_resamples_from_the_residual_after_a_rejection():
+def test_the_acceptor_on_a_sampled_chain_resamples_from_the_residual_after_a_rejection():
     # draft all on token 0; target half on 0, half on 3: a rejection must then give 3
     draft_probs = point_mass(0)[None]
     target = torch.zeros(VOCAB)
@@ -256,11 +264,11 @@ def test_chain_acceptor_resamples_from_the_residual_after_a_rejection():
     outcomes = set()
     for seed in range(50):
         generator = torch.Generator().manual_seed(seed)
-        outcomes.add(accept_chain_sampling(torch.tensor([0]), draft_probs, target_probs, generator))
+        outcomes.add(chain_outcome(torch.tensor([0]), draft_probs, target_probs, generator))
     assert outcomes == {(1, 1), (0, 3)}  # accepted then bonus, or rejected then the residual
 
 
-def test_tree_acceptor_follows_the_child_the_target_draws():
+def test_the_acceptor_on_a_tree_follows_the_child_the_target_draws():
     # root -> {4, 6}; node 1 (token 6) -> {2}
     tree = DraftTree(
         tokens=torch.tensor([4, 6, 2]),
@@ -270,10 +278,10 @@ def test_tree_acceptor_follows_the_child_the_target_draws():
     root, after_4, after_6, after_2 = point_mass(6), point_mass(0), point_mass(2), point_mass(5)
     target_probs = torch.stack([root, after_4, after_6, after_2])
     generator = torch.Generator().manual_seed(0)
-    assert accept_tree_sampling(tree, target_probs, generator) == ([1, 2], 5)
+    assert accept_sampling(tree, target_probs, generator) == ([1, 2], 5)
     # the target wants 7 at the root: no child matches, nothing accepted
     target_probs[0] = point_mass(7)
-    assert accept_tree_sampling(tree, target_probs, generator) == ([], 7)
+    assert accept_sampling(tree, target_probs, generator) == ([], 7)
 
 
 @pytest.mark.parametrize(("topk", "num_steps", "num_draft_tokens"), [(1, 3, None), (2, 2, 4)])
