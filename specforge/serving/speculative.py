@@ -59,6 +59,38 @@ class SpeculativeDecoder:
     What ``auto`` learns of acceptance starts again with every request (``generate`` call):
     only the device's costs carry from one to the next, so at fixed costs a request's rounds
     are the same whatever was asked before it.
+
+    Args:
+        target_model: the HF target (eval mode).
+        draft_model: the draft, any dtype (only proposals depend on it).
+        aux_layer_ids: the target layers the draft was trained on.
+        proposer: the draft family's proposer factory
+            (:attr:`specforge.families.family.DraftFamily.proposer`: refuses the settings
+            the family cannot run); default: an EAGLE-3 draft's
+            (:func:`~specforge.serving.proposers.eagle_proposer`).
+        num_steps: draft depth (tokens per chain), or ``"auto"``: each round the depth in
+            ``0 .. AUTO_MAX_DEPTH`` with the most expected tokens per second, decided token
+            by token from the draft's calibrated confidence when greedy, from the position
+            estimates when sampling (:mod:`specforge.serving.adaptive`; chains only).
+        topk: branches per step; 1 drafts a chain.
+        num_draft_tokens: tree size including the root (tree drafting only).
+        temperature: 0 verifies greedily; > 0 samples (lossless rejection sampling).
+        top_p: nucleus filtering of the target distribution when sampling.
+        max_siblings: greedy ``auto``: at most this many further candidates for the first
+            draft position verified beside the chain where the costs say they pay (0:
+            chains only; none on a target whose attention cannot verify a tree).
+        lookup_tokens: greedy ``auto``: prompt lookup's up to this many tokens (may pass
+            ``num_steps``; :func:`~specforge.engine.prompt_lookup.longest_match`) are
+            verified instead of the draft's, or beside them in one tree, in a round where
+            their acceptance promises more tokens per second (0: the draft's always).
+        engine: a :class:`~specforge.engine.target.TargetEngine` over ``target_model`` that
+            runs its forwards, or ``None``: transformers' forward with a growing cache.
+        draft_engine: runs a chain's draft forwards (:class:`~specforge.engine.draft.
+            DraftEngine`); default: CUDA graphs where ``engine`` replays them, else none.
+
+    Raises:
+        UserError: inconsistent drafting settings, or a target the runtime cannot serve
+            (recurrent layers; a tree on flash attention), before any generation.
     """
 
     def __init__(
@@ -78,39 +110,6 @@ class SpeculativeDecoder:
         engine: TargetEngine | None = None,
         draft_engine: DraftEngine | None = None,
     ):
-        """
-        Args:
-            target_model: the HF target (eval mode).
-            draft_model: the draft, any dtype (only proposals depend on it).
-            aux_layer_ids: the target layers the draft was trained on.
-            proposer: the draft family's proposer factory
-                (:attr:`specforge.families.family.DraftFamily.proposer`: refuses the settings
-                the family cannot run); default: an EAGLE-3 draft's
-                (:func:`~specforge.serving.proposers.eagle_proposer`).
-            num_steps: draft depth (tokens per chain), or ``"auto"``: each round the depth in
-                ``0 .. AUTO_MAX_DEPTH`` with the most expected tokens per second, decided token
-                by token from the draft's calibrated confidence when greedy, from the position
-                estimates when sampling (:mod:`specforge.serving.adaptive`; chains only).
-            topk: branches per step; 1 drafts a chain.
-            num_draft_tokens: tree size including the root (tree drafting only).
-            temperature: 0 verifies greedily; > 0 samples (lossless rejection sampling).
-            top_p: nucleus filtering of the target distribution when sampling.
-            max_siblings: greedy ``auto``: at most this many further candidates for the first
-                draft position verified beside the chain where the costs say they pay (0:
-                chains only; none on a target whose attention cannot verify a tree).
-            lookup_tokens: greedy ``auto``: prompt lookup's up to this many tokens (may pass
-                ``num_steps``; :func:`~specforge.engine.prompt_lookup.longest_match`) are
-                verified instead of the draft's, or beside them in one tree, in a round where
-                their acceptance promises more tokens per second (0: the draft's always).
-            engine: a :class:`~specforge.engine.target.TargetEngine` over ``target_model`` that
-                runs its forwards, or ``None``: transformers' forward with a growing cache.
-            draft_engine: runs a chain's draft forwards (:class:`~specforge.engine.draft.
-                DraftEngine`); default: CUDA graphs where ``engine`` replays them, else none.
-
-        Raises:
-            UserError: inconsistent drafting settings, or a target the runtime cannot serve
-                (recurrent layers; a tree on flash attention), before any generation.
-        """
         self.auto = num_steps == "auto"
         num_steps = checked_depth(num_steps, topk, num_draft_tokens, max_siblings)
         self.verifier = TargetVerifier(target_model, aux_layer_ids=aux_layer_ids, engine=engine)
