@@ -14,13 +14,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import yaml
 
-from specforge.config import load_config
+from specforge.config import SpecForgeConfig, from_dict, load_config
 from specforge.data.batching import collate
 from specforge.distributed import setup_distributed
 from specforge.families import load_checkpoint_draft
 from specforge.models.target import target_hidden_states
-from specforge.trainer.checkpoint import latest_sound_checkpoint
+from specforge.trainer.checkpoint import latest_sound_checkpoint, read_trainer_state
 from specforge.trainer.sources import OnlineTarget, draft_target_distribution
 from specforge.trainer.ttt import TTTObjective
 
@@ -45,6 +46,22 @@ def export_once(common: list[str], export: Path) -> None:
     export is there."""
     if not (export / "config.json").is_file():
         specforge("export", *common, f"export.output={export}")
+
+
+def start_recipe(start: Path, output: Path) -> tuple[Path, dict]:
+    """The recipe a trained run's newest checkpoint recorded, its training data named (a run
+    in another ``output_dir`` holds none), written to ``OUTPUT/start.yaml``; and that
+    checkpoint's trainer state (its ``step``, its ``config``)."""
+    checkpoint = latest_sound_checkpoint(start / "checkpoints")
+    if checkpoint is None:
+        raise SystemExit(f"{start}/checkpoints: no intact checkpoint to start from")
+    state = read_trainer_state(checkpoint)
+    config = state["config"]
+    config["train"]["data_path"] = str(from_dict(SpecForgeConfig, config).training_data_path)
+    output.mkdir(parents=True, exist_ok=True)
+    recipe = output / "start.yaml"
+    recipe.write_text(yaml.safe_dump(config, sort_keys=False))
+    return recipe, state
 
 
 def answers(output: Path, name: str, questions: str, target: str, max_new_tokens: int) -> Path:

@@ -27,30 +27,12 @@ import argparse
 import json
 from pathlib import Path
 
-import yaml
-from common import answers, replayed_taus, specforge
+from common import answers, replayed_taus, specforge, start_recipe
 
-from specforge.config import SpecForgeConfig, from_dict
 from specforge.io import iter_jsonl
 from specforge.results import figures_markdown, write_result
-from specforge.trainer.checkpoint import latest_sound_checkpoint, read_trainer_state
 
 ARMS = ("finetune", "scratch")
-
-
-def start_recipe(start: Path, output: Path) -> Path:
-    """The start's recipe as its newest checkpoint recorded it (written to ``output``)."""
-    checkpoint = latest_sound_checkpoint(start / "checkpoints")
-    if checkpoint is None:
-        raise SystemExit(f"{start}/checkpoints: no intact checkpoint")
-    if not (start / "export" / "config.json").is_file():
-        raise SystemExit(f"{start}/export: no export to fine-tune (run specforge export)")
-    config = read_trainer_state(checkpoint)["config"]
-    from_dict(SpecForgeConfig, config)  # still a recipe this code reads
-    output.mkdir(parents=True, exist_ok=True)
-    recipe = output / "start.yaml"
-    recipe.write_text(yaml.safe_dump(config, sort_keys=False))
-    return recipe
 
 
 def split_questions(gsm8k: Path, output: Path, train: int, test: int) -> tuple[Path, Path]:
@@ -132,13 +114,15 @@ def main() -> None:
     parser.add_argument("--result", default=None, help="the JSON (default OUTPUT/finetune.json)")
     args = parser.parse_args()
     output = Path(args.output)
-    recipe = start_recipe(Path(args.start), output)
+    recipe, state = start_recipe(Path(args.start), output)
+    if not (Path(args.start) / "export" / "config.json").is_file():
+        raise SystemExit(f"{args.start}/export: no export to fine-tune (run specforge export)")
     prompts, test = split_questions(
         Path(args.gsm8k), output, args.train_questions, args.test_questions
     )
     data = distilled(recipe, prompts, output)
     runs = {"none": Path(args.start)} | {arm: train_arm(arm, recipe, data, args) for arm in ARMS}
-    target = yaml.safe_load(recipe.read_text())["target"]["name_or_path"]
+    target = state["config"]["target"]["name_or_path"]
     sets = {"gsm8k": str(test), "mt_bench": args.mt_bench}
     scores = {
         name: replayed_taus(

@@ -29,31 +29,13 @@ import json
 import shutil
 from pathlib import Path
 
-import yaml
-from common import answers, bench, export_once, replayed_taus, specforge
+from common import answers, bench, export_once, replayed_taus, specforge, start_recipe
 
-from specforge.config import SpecForgeConfig, from_dict
 from specforge.results import figures_markdown, write_result
-from specforge.trainer.checkpoint import latest_sound_checkpoint, read_trainer_state
+from specforge.trainer.checkpoint import latest_sound_checkpoint
 
 ARMS = {"supervised": "false", "on_policy": "true"}
 """Each arm's ``train.on_policy.replay``."""
-
-
-def start_recipe(start: Path, output: Path) -> tuple[Path, int]:
-    """The start's recipe as its newest checkpoint recorded it, its training data named
-    (written to ``output``), and that checkpoint's step."""
-    checkpoint = latest_sound_checkpoint(start / "checkpoints")
-    if checkpoint is None:
-        raise SystemExit(f"{start}/checkpoints: no intact checkpoint to continue")
-    state = read_trainer_state(checkpoint)
-    config = state["config"]
-    # its corpus by name: the arms' output_dir holds none
-    config["train"]["data_path"] = str(from_dict(SpecForgeConfig, config).training_data_path)
-    output.mkdir(parents=True, exist_ok=True)
-    recipe = output / "start.yaml"
-    recipe.write_text(yaml.safe_dump(config, sort_keys=False))
-    return recipe, state["step"]
 
 
 def continue_arm(arm: str, recipe: Path, step: int, args) -> Path:
@@ -142,9 +124,10 @@ def main() -> None:
     parser.add_argument("--output", default="outputs/on_policy_ab", help="the runs' folder")
     parser.add_argument("--result", default=None, help="the JSON (default OUTPUT/ab.json)")
     args = parser.parse_args()
-    recipe, step = start_recipe(Path(args.start), Path(args.output))
+    recipe, state = start_recipe(Path(args.start), Path(args.output))
+    step = state["step"]
     questions = dict(item.split("=", 1) for item in args.set)
-    target = yaml.safe_load(recipe.read_text())["target"]["name_or_path"]
+    target = state["config"]["target"]["name_or_path"]
     sets = {
         name: answers(Path(args.output), name, path, target, args.max_new_tokens)
         for name, path in questions.items()
