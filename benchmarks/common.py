@@ -19,7 +19,7 @@ import yaml
 from specforge.config import SpecForgeConfig, from_dict, load_config
 from specforge.data.batching import collate
 from specforge.distributed import setup_distributed
-from specforge.families import load_checkpoint_draft
+from specforge.families.dispatch import load_checkpoint_draft
 from specforge.models.target import target_hidden_states
 from specforge.trainer.checkpoint import latest_sound_checkpoint, read_trainer_state
 from specforge.trainer.sources import OnlineTarget, draft_target_distribution

@@ -20,7 +20,8 @@ differ in training settings too, e.g. DFlash's hard and soft labels:
 
     python benchmarks/draft_family_ab.py --data outputs/ab/data/conversations.jsonl \\
         --questions question.jsonl --limit 10 --arm hard dflash \\
-        --arm soft dflash draft.block_labels=soft --title 'DFlash labels at equal time (cpu)' \\
+        --arm soft dflash draft.dflash.block_labels=soft \\
+        --title 'DFlash labels at equal time (cpu)' \\
         --output outputs/ab_labels --result docs/results/dflash_labels_cpu.json
 
 Run it alone (2 CPU cores).
@@ -34,7 +35,8 @@ from pathlib import Path
 
 from common import bench, export_once, specforge
 
-from specforge.families import REGISTRY, family_of_export
+from specforge.families import REGISTRY
+from specforge.families.dispatch import family_of_export
 from specforge.results import write_result
 
 

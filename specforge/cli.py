@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from specforge.config import DEFAULT_RECIPE, SpecForgeConfig, field_docs, load_config
 from specforge.errors import Interrupted, UserError
-from specforge.families import REGISTRY
+from specforge.families import REGISTRY, sections
 from specforge.recipes.quickstart import QUICKSTART_OVERRIDES
 from specforge.upstream import help_table, translate
 
@@ -72,19 +72,28 @@ QUICKSTART_FLAG_NAMES = {"output_dir": "output"}
 def config_fields(key: str) -> list[tuple[str, Any, str]]:
     """``(dotted key, type, docstring)`` of every field of a section (``regenerate``), of one
     field (``target.name_or_path``), or of a top-level field (``output_dir``). A section's own
-    sections (``train.on_policy``) have no flags: dotted overrides set them."""
+    sections (``train.on_policy``) have no flags: dotted overrides set them; a family's section
+    (``draft.<name>``, :func:`specforge.families.sections`) has, as its options did before the
+    sections."""
     root = typing.get_type_hints(SpecForgeConfig)
     section, _, name = key.rpartition(".")
     if not section and dataclasses.is_dataclass(root[key]):
         section, name = key, ""
     holder = root[section] if section else SpecForgeConfig
+    return _fields_of(holder, f"{section}." if section else "", name)
+
+
+def _fields_of(holder: type, prefix: str, name: str = "") -> list[tuple[str, Any, str]]:
     hints, docs = typing.get_type_hints(holder), field_docs(holder)
-    prefix = f"{section}." if section else ""
-    return [
-        (prefix + f.name, hints[f.name], docs.get(f.name, ""))
-        for f in dataclasses.fields(holder)
-        if (f.name == name or not name) and not dataclasses.is_dataclass(hints[f.name])
-    ]
+    found = []
+    for f in dataclasses.fields(holder):
+        if name and f.name != name:
+            continue
+        if hints[f.name] in sections().values():
+            found += _fields_of(hints[f.name], f"{prefix}{f.name}.")
+        elif not dataclasses.is_dataclass(hints[f.name]):
+            found.append((prefix + f.name, hints[f.name], docs.get(f.name, "")))
+    return found
 
 
 def _integer_or_word(text: str) -> int | str:

@@ -100,7 +100,8 @@ def _field_lines(holder: type, prefix: str, flags: dict, only: str | None = None
         key = prefix + field.name
         if dataclasses.is_dataclass(hints[field.name]):  # a section's own section, by key
             nested = hints[field.name]
-            lines += ["", f"### `{key}`", "", " ".join((nested.__doc__ or "").split())]
+            doc = " ".join((nested.__doc__ or "").split()).replace("``", "`")
+            lines += ["", f"### `{key}`", "", doc]
             lines += _field_lines(nested, f"{key}.", flags)
             continue
         lines += ["", f"### `{key}`", ""]

@@ -29,10 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specforge.errors import UserError
+from specforge.families import option_modules
 from specforge.io import read_json
 
 SPECFORGE = "SpecForge scripts/train_eagle3.py"
 SPECULATORS = "speculators scripts/train.py"
+TOOLS = {"specforge": SPECFORGE, "speculators": SPECULATORS}
+"""The names a family's ``options`` module gives the tools its upstream flags come from."""
 
 
 @dataclass(frozen=True)
@@ -145,8 +148,11 @@ UPSTREAM_FLAGS: tuple[UpstreamFlag, ...] = (
     _f("--ttt-steps", SPECULATORS, "train.ttt_length"),
     _f("--num-depths", SPECULATORS, "train.ttt_length"),
     _f("--ttt-step-loss-decay", SPECULATORS, "train.step_weight"),
-    _f("--max-anchors", SPECULATORS, "draft.anchors"),
-    _f("--dflash-decay-gamma", SPECULATORS, "draft.block_decay"),
+    *(
+        _f(flag, TOOLS[tool], f"draft.{name}.{key}")
+        for name, module in option_modules().items()
+        for tool, flag, key in getattr(module, "UPSTREAM_FLAGS", ())
+    ),
     _f(
         "--hidden-states-path",
         SPECULATORS,
@@ -211,7 +217,7 @@ def _draft_config(path: str) -> tuple[list[str], list[str]]:
     if layers != 1:
         raise UserError(
             f"--draft-model-config {path}: num_hidden_layers {layers}; an EAGLE-3 draft here "
-            "has one decoder layer (draft.type dflash has draft.dflash_layers)"
+            "has one decoder layer (another family's own layer count: docs/families.md)"
         )
     overrides = []
     if "draft_vocab_size" in values:

@@ -49,8 +49,16 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+REGISTRY_LEVEL = re.compile(r"specforge\.families(\.\w+\.options)?")
+"""The family registry and the families' config sections: torch-free, in the lowest layer
+beside the config that composes the sections from them."""
+
+
 def layer_of(module: str) -> tuple[str, int]:
-    """The layer a ``specforge`` module belongs to (the longest matching prefix)."""
+    """The layer a ``specforge`` module belongs to (the registry's, else the longest matching
+    prefix)."""
+    if REGISTRY_LEVEL.fullmatch(module):
+        return "specforge.families (registry)", 0
     prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
     return prefix, LAYERS[prefix]
 
@@ -216,7 +224,7 @@ def family_mentions(family: str, spellings: tuple[str, ...]) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("family", ["peagle"])
+@pytest.mark.parametrize("family", ["peagle", "dflash"])
 def test_a_family_is_named_only_in_its_folder_and_the_registry(family):
     """Adding a family touches its folder and one registry line: no other module names it."""
     assert family_mentions(family, FAMILY_HOMES[family]) == []

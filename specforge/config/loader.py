@@ -204,17 +204,26 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a config dataclass (for ``--help``)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    """The docstring written under each field of a config dataclass (for ``--help``), its
+    bases' included; a field that is a section of its own without one (a family's, composed
+    into ``draft``) takes its class's docstring."""
     docs = {}
-    for node, after in zip(body, body[1:] + [None], strict=True):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(after.value.value.split())
+    for klass in reversed(cls.__mro__[:-1]):
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):  # composed at import (``DraftConfig``): its bases hold it
+            continue
+        body = ast.parse(textwrap.dedent(source)).body[0].body
+        for node, after in zip(body, body[1:] + [None], strict=True):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    for spec in dataclasses.fields(cls):
+        if spec.name not in docs and dataclasses.is_dataclass(spec.type):
+            docs[spec.name] = " ".join((spec.type.__doc__ or "").split())
     return docs

@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from specforge.config.base import ConfigError
+from specforge.families import sections
 
 
 @dataclass
-class DraftConfig:
-    """The draft's architecture (its geometry follows the target)."""
+class DraftBase:
+    """The draft's architecture (its geometry follows the target): what every family reads."""
 
     type: str = "eagle3"
     """The draft family: a name of the family registry (:data:`specforge.families.REGISTRY`;
@@ -25,45 +26,31 @@ class DraftConfig:
     draft step reads the post-norm hidden state), written to the export's ``config.json`` as
     the engines read them; an engine that predates EAGLE 3.1 ignores both keys, so serve such a
     draft with one that reads them."""
-    block_size: int = 8
-    """``dflash``: tokens per block, the anchor included (a round proposes ``block_size - 1``)."""
-    dflash_layers: int = 1
-    """``dflash``: the draft's decoder layers."""
-    target_layers: int = 5
-    """``dflash``: how many target layers the draft reads, spread from layer 1 to ``L - 3`` as
-    SGLang spreads them (fewer on a shallow target)."""
     mask_token_id: int | None = None
-    """``dflash``: the target id whose embedding fills a block's slots after the anchor;
-    ``null``: the tokenizer's mask token, else the largest id the training data never holds
-    (recorded in the checkpoint and the export)."""
-    anchors: int = 64
-    """``dflash``: blocks per training sequence, at random anchors before assistant tokens."""
-    block_decay: float | None = 4.0
-    """``dflash``: slot ``k`` of a block weighs ``exp(-(k - 1) / block_decay)`` in the loss
-    (later slots are reached less often); ``null``: every slot alike."""
-    block_labels: Literal["hard", "soft"] = "hard"
-    """``dflash``: what slot ``k`` learns. ``hard``: the target's greedy token there (what
-    greedy verification accepts; on regenerated data, mostly the data's token); ``soft``: the
-    target's whole distribution there (cross-entropy to it, KL up to a constant: the
-    full-vocabulary softmax at every scored position, a step's memory grows by 4 bytes x
-    vocabulary per token). At equal time on the quickstart's corpus: docs/training.md."""
+    """A family whose draft reads a mask token in the positions it has not drafted yet: the
+    target id whose embedding it is; ``null``: the tokenizer's mask token, else the largest id
+    the training data never holds (recorded in the checkpoint and the export)."""
 
     def __post_init__(self) -> None:
-        for name in ("dflash_layers", "target_layers", "anchors"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"draft.{name} must be >= 1, got {getattr(self, name)}")
-        if self.block_size < 2:
-            raise ConfigError(f"draft.block_size must be >= 2, got {self.block_size}")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ConfigError(f"draft.mask_token_id must be >= 0, got {self.mask_token_id}")
-        if self.block_decay is not None and not self.block_decay > 0:
-            raise ConfigError(f"draft.block_decay must be > 0 or null, got {self.block_decay}")
 
     @property
     def switches(self) -> dict[str, bool]:
         """The draft config's EAGLE 3.1 switches for this variant."""
         on = self.variant == "eagle3.1"
         return {"fc_norm": on, "norm_output": on}
+
+
+DraftConfig = dataclasses.make_dataclass(
+    "DraftConfig",
+    [(name, options, field(default_factory=options)) for name, options in sections().items()],
+    bases=(DraftBase,),
+)
+DraftConfig.__module__ = __name__
+DraftConfig.__doc__ = """The draft's architecture (its geometry follows the target): the keys every
+family reads, and one section per family that has options of its own (``draft.<name>``, defined
+in the family's folder: :func:`specforge.families.sections`)."""
 
 
 @dataclass

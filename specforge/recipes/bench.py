@@ -23,7 +23,7 @@ from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
 from specforge.data.questions import ask_turns, load_questions, resolve_question_set
 from specforge.engine.target import EnginePath, build_engine
 from specforge.errors import UserError
-from specforge.families import drafting_depth, family_of_export
+from specforge.families.dispatch import drafting_depth, family_of_export
 from specforge.models.adapter import text_config
 from specforge.models.target import load_target, load_target_config, load_tokenizer
 from specforge.recipes.stage import start_stage

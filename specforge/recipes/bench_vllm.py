@@ -12,7 +12,7 @@ from typing import Any
 from specforge.config import BenchConfig, SpecForgeConfig
 from specforge.data.questions import load_questions
 from specforge.errors import UserError
-from specforge.families import export_checks, family_of_export
+from specforge.families.dispatch import export_checks, family_of_export
 from specforge.io import read_json, write_json_atomic, write_text_atomic
 from specforge.models.adapter import text_config
 from specforge.models.target import (
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 def speculative_config(draft: Path, num_steps: int) -> dict[str, Any]:
     """vLLM's ``--speculative-config`` for an export: its family's method and settings
-    (:attr:`~specforge.families.family.EngineMethods.vllm`), ``num_steps`` tokens a round.
+    (:attr:`~specforge.families.base.EngineMethods.vllm`), ``num_steps`` tokens a round.
 
     Raises:
         UserError: a family vLLM does not serve.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specforge.config import ENGINE_OPTIONS, BenchConfig, SpecForgeConfig, TargetConfig, from_dict
 from specforge.errors import UserError
-from specforge.families import (
+from specforge.families.dispatch import (
     export_checks,
     family_of_checkpoint,
     family_of_export,

@@ -22,7 +22,7 @@ from pathlib import Path
 from specforge.config import SpecForgeConfig
 from specforge.config.resolve import resolve_auto
 from specforge.errors import UserError
-from specforge.families import check_options
+from specforge.families.dispatch import check_options
 
 logger = logging.getLogger(__name__)
 

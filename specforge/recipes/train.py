@@ -41,8 +41,9 @@ from specforge.data.chat import TokenizedSample
 from specforge.data.vocab import save_vocab_map
 from specforge.distributed import Distributed, setup_distributed
 from specforge.errors import Interrupted, UserError
-from specforge.families import family, pretrained_draft
-from specforge.families.family import DraftFamily
+from specforge.families import family
+from specforge.families.base import DraftFamily
+from specforge.families.dispatch import pretrained_draft
 from specforge.models.eagle3 import FROZEN_WEIGHTS
 from specforge.recipes.stage import start_stage
 from specforge.trainer.checkpoint import (

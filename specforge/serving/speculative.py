@@ -65,7 +65,7 @@ class SpeculativeDecoder:
         draft_model: the draft, any dtype (only proposals depend on it).
         aux_layer_ids: the target layers the draft was trained on.
         proposer: the draft family's proposer factory
-            (:attr:`specforge.families.family.DraftFamily.proposer`: refuses the settings
+            (:attr:`specforge.families.base.DraftFamily.proposer`: refuses the settings
             the family cannot run); default: an EAGLE-3 draft's
             (:func:`~specforge.serving.proposers.eagle_proposer`).
         num_steps: draft depth (tokens per chain), or ``"auto"``: each round the depth in

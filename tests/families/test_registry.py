@@ -6,7 +6,8 @@ import pytest
 
 from specforge.config import ConfigError
 from specforge.errors import UserError
-from specforge.families import REGISTRY, check_options, family, family_of_export
+from specforge.families import REGISTRY, family
+from specforge.families.dispatch import check_options, family_of_export
 from specforge.recipes.train import train
 from tests.helpers import tiny_train_config
 
@@ -21,15 +22,15 @@ IGNORED = [
     ("dflash", "draft.variant=eagle3.1"),
     ("dflash", "train.on_policy.steps=2"),
     ("dflash", "train.from_pretrained=outputs/export"),
-    ("eagle3", "draft.block_size=4"),
-    ("eagle3", "draft.block_labels=soft"),
-    ("eagle3", "draft.anchors=8"),
+    ("eagle3", "draft.dflash.block_size=4"),
+    ("eagle3", "draft.dflash.block_labels=soft"),
+    ("eagle3", "draft.dflash.anchors=8"),
     ("eagle3", "draft.mask_token_id=3"),
-    ("eagle3", "draft.dflash_layers=2"),
-    ("eagle3", "draft.target_layers=3"),
-    ("eagle3", "draft.block_decay=2.0"),
-    ("peagle", "draft.block_size=4"),
-    ("peagle", "draft.anchors=8"),
+    ("eagle3", "draft.dflash.draft_layers=2"),
+    ("eagle3", "draft.dflash.target_layers=3"),
+    ("eagle3", "draft.dflash.block_decay=2.0"),
+    ("peagle", "draft.dflash.block_size=4"),
+    ("peagle", "draft.dflash.anchors=8"),
 ]
 """Each family-only option listed as silently ignored before the registry, set for a family
 that does not read it."""

@@ -10,7 +10,7 @@ from transformers import AutoConfig
 
 from specforge.cli import main, parse_args, stage_config
 from specforge.errors import UserError
-from specforge.families import export_checks
+from specforge.families.dispatch import export_checks
 from specforge.recipes.export import check_with_vllm
 from specforge.recipes.train import train
 from specforge.serving.agreement import agreement

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specforge.families import export_checks, family_of_export
+from specforge.families.dispatch import export_checks, family_of_export
 from specforge.models.eagle3 import DraftKVCache
 from specforge.serving.export import load_exported_draft
 from tests.helpers import make_tiny_llama

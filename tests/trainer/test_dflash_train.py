@@ -14,7 +14,12 @@ from specforge.errors import UserError
 from specforge.recipes.train import train
 from tests.helpers import bench_tiny_export, tiny_train_config
 
-DFLASH = ["draft.type=dflash", "draft.block_size=4", "draft.anchors=8", "train.eval_every=100"]
+DFLASH = [
+    "draft.type=dflash",
+    "draft.dflash.block_size=4",
+    "draft.dflash.anchors=8",
+    "train.eval_every=100",
+]
 
 
 def test_a_dflash_draft_trains_exports_and_serves(tmp_path, peaked_target_dir):
@@ -43,10 +48,15 @@ def test_dflash_training_resumes_exactly(tmp_path, peaked_target_dir, caplog):
     # more target layers than the tiny target has: read what it has, and say so
     with caplog.at_level(logging.WARNING, logger="specforge.families.dflash"):
         full = train(
-            tiny_train_config(folder, data, tmp_path / "full", *steps, "draft.target_layers=100")
+            tiny_train_config(
+                folder, data, tmp_path / "full", *steps, "draft.dflash.target_layers=100"
+            )
         )
-    assert "draft.target_layers 100: the target has 4 layers, so the draft reads 1" in caplog.text
-    steps.append("draft.target_layers=100")
+    assert (
+        "draft.dflash.target_layers 100: the target has 4 layers, so the draft reads 1"
+        in caplog.text
+    )
+    steps.append("draft.dflash.target_layers=100")
     interrupted = tmp_path / "interrupted"
     train(tiny_train_config(folder, data, interrupted, *steps), stop_after_step=3)
     resumed = train(tiny_train_config(folder, data, interrupted, *steps, "train.resume=true"))
@@ -67,7 +77,7 @@ def test_dflash_offline_training_is_refused_before_any_work(tmp_path, peaked_tar
 def test_soft_block_labels_train_through_the_target_s_whole_vocabulary(tmp_path, peaked_target_dir):
     folder, data = peaked_target_dir
     out = tmp_path / "run"
-    soft = [*DFLASH, "draft.block_labels=soft", "train.max_steps=30"]
+    soft = [*DFLASH, "draft.dflash.block_labels=soft", "train.max_steps=30"]
     train(tiny_train_config(folder, data, out, *soft))
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if m["split"] == "eval"]

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from specforge.config import ConfigError
 from specforge.data.batching import collate
 from specforge.data.chat import TokenizedSample
-from specforge.families import load_checkpoint_draft as load_draft
+from specforge.families.dispatch import load_checkpoint_draft as load_draft
 from specforge.models.target import target_hidden_states
 from specforge.recipes.train import train
 from specforge.serving.speculative import SpeculativeDecoder

@@ -8,7 +8,7 @@ tokens and the target's states at them), ``catch_up`` (before a round that draft
 - :class:`~specforge.serving.proposers.lookup.PromptLookup`: prompt lookup, competing with the
   draft under greedy ``auto``;
 - a draft family's own proposer, built by its factory
-  (:attr:`specforge.families.family.DraftFamily.proposer`) and handed to the runtime.
+  (:attr:`specforge.families.base.DraftFamily.proposer`) and handed to the runtime.
 """
 
 from __future__ import annotations
