@@ -134,42 +134,56 @@ class Plan:
     """A round the draft sleeps through (:class:`~specforge.serving.adaptive.Dormancy`): the
     target decodes one token alone."""
 
-    def capped(self, room: int) -> Plan:
-        """This plan verifying at most ``room`` tokens after the last (a round emits at most
-        its verified tokens and the target's own, so past what is left of the turn's budget a
-        token costs verification and cannot be used): a longer chain cut, a deeper tree (a
-        greedy ``auto`` fan) without its levels past ``room``, its chains' node lists with it
-        (no room at all: a plain round). The cut chain's declined candidate is dropped: it is
-        not the token after the cut."""
-        if self.depth <= room:
-            return self
-        fan = self.fan
-        if fan is not None:
-            cut = {
-                "chain": fan.chain[:room],
-                "probs": fan.probs[:room],
-                "lookup": fan.lookup[:room],
-            }
-            fan = replace(fan, **cut, candidate=None, siblings=fan.siblings if room else 0)
-        if self.tree is not None and room:
-            index = self.tree.renumbered(room)
-            paths = [[index[n] for n in path if index[n] is not None] for path in self.paths]
-            return replace(self, depth=room, tree=self.tree.within(room), paths=paths, fan=fan)
-        tokens = None if self.tokens is None else self.tokens[:room]
-        dists = None if self.dists is None else self.dists[:room]
-        return replace(self, depth=room, tokens=tokens, dists=dists, fan=fan, tree=None, paths=[])
+
+@dataclass
+class Context:
+    """What a policy plans a round from."""
+
+    prompt: torch.Tensor
+    """(T,) the request's prompt."""
+    output: list[int]
+    """The tokens emitted so far."""
+    room: int
+    """The most tokens the round may verify after the last one: a round emits at most its
+    verified tokens and the target's own, so past what is left of the turn's budget a token
+    costs verification and cannot be used."""
+    awake: bool = True
+    """``False``: the draft sleeps through this round (the policy's :meth:`sleeping`)."""
+
+
+@dataclass
+class Outcome:
+    """What a verified round gives its policy to learn from."""
+
+    depth: int
+    path: list[int]
+    """The accepted nodes of the round's proposal (a chain's: ``0 .. accepted - 1``)."""
+    bonus: int
+    target_logits: torch.Tensor
+    """(rows, V) float32: the target's logits over the verified tokens."""
+    seconds: float
+    """The verification's wall time."""
+    tokens: list[int] = field(default_factory=list)
+    """The tokens the round emitted (the accepted ones and the bonus)."""
+    other_seconds: float | None = None
+    """The round's time outside drafting and verification (the extension included), where
+    it is a drafting round's and not the request's first."""
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
 
 
 class FixedDepth:
     """``num_steps`` draft tokens (or tree levels) every round: it learns nothing, so every
-    hook of the policy protocol (:class:`AutoPolicy`'s) but :meth:`plan` does nothing."""
+    verb of the policy protocol (:class:`AutoPolicy`'s) but :meth:`plan` does nothing."""
 
     def __init__(self, num_steps: int):
         self.num_steps = num_steps
         self.costs: CostModel | None = None
 
-    def plan(self, proposer: EagleProposer) -> Plan:
-        return Plan(self.num_steps)
+    def begin_request(self) -> None:
+        pass
 
     def needs_costs(self) -> bool:
         return False
@@ -177,31 +191,16 @@ class FixedDepth:
     def use_costs(self, costs: CostModel) -> None:
         self.costs = costs
 
-    def begin_request(self) -> None:
-        pass
-
     def widths(self) -> tuple[int, int]:
         return 0, 0
-
-    def begin_round(self, prompt: torch.Tensor, output: list[int], *, awake: bool) -> None:
-        pass
-
-    def end_round(self, tokens: list[int]) -> None:
-        pass
-
-    def observe(self, plan: Plan, outcome: Outcome, proposer: EagleProposer, stats) -> None:
-        pass
-
-    def observe_plain(self, seconds: float) -> None:
-        pass
-
-    def observe_other(self, seconds: float) -> None:
-        pass
 
     def sleeping(self) -> bool:
         return False
 
-    def woke(self, depth: int) -> None:
+    def plan(self, proposer, context: Context) -> Plan:
+        return Plan(min(self.num_steps, context.room))
+
+    def observe(self, plan: Plan, outcome: Outcome, proposer, stats) -> None:
         pass
 
     def report(self) -> dict | None:
@@ -217,14 +216,11 @@ class LookupOnly(FixedDepth):
     def __init__(self, num_steps: int, device: torch.device):
         super().__init__(num_steps)
         self.device = device
-        self.proposal: torch.Tensor | None = None
 
-    def begin_round(self, prompt: torch.Tensor, output: list[int], *, awake: bool) -> None:
-        sequence = torch.cat([prompt.cpu(), torch.tensor(output)])
-        self.proposal = ngram_candidates(sequence, num_tokens=self.num_steps)
-
-    def plan(self, proposer) -> Plan:
-        return Plan(len(self.proposal), tokens=self.proposal.to(self.device), lookup=True)
+    def plan(self, proposer, context: Context) -> Plan:
+        sequence = torch.cat([context.prompt.cpu(), torch.tensor(context.output)])
+        tokens = ngram_candidates(sequence, num_tokens=self.num_steps)[: context.room]
+        return Plan(len(tokens), tokens=tokens.to(self.device), lookup=True)
 
 
 def new_policy(num_steps: int, *, auto: bool, **settings) -> FixedDepth | AutoPolicy:
@@ -237,24 +233,6 @@ def new_policy(num_steps: int, *, auto: bool, **settings) -> FixedDepth | AutoPo
     """
     check_decoding(settings["temperature"], settings["top_p"], settings["lookup_tokens"], auto=auto)
     return AutoPolicy(num_steps, **settings) if auto else FixedDepth(num_steps)
-
-
-@dataclass
-class Outcome:
-    """What a verified round gives its policy to learn from."""
-
-    depth: int
-    path: list[int]
-    """The accepted nodes of the round's proposal (a chain's: ``0 .. accepted - 1``)."""
-    bonus: int
-    target_logits: torch.Tensor
-    """(rows, V) float32: the target's logits over the verified tokens."""
-    seconds: float
-    """The verification's wall time."""
-
-    @property
-    def accepted(self) -> int:
-        return len(self.path)
 
 
 class AutoPolicy:
@@ -327,25 +305,6 @@ class AutoPolicy:
         prompt-lookup tokens: what the target's caches and graphs must make room for."""
         return self.max_siblings, self.lookup.tokens if self.lookup is not None else 0
 
-    def begin_round(self, prompt: torch.Tensor, output: list[int], *, awake: bool) -> None:
-        """Before a round after ``output`` so far: prompt lookup's proposal (when it
-        competes) from the ``prompt`` (T,) and the output."""
-        if self.lookup is not None:
-            self.lookup.propose(prompt, output, awake=awake)
-
-    def end_round(self, tokens: list[int]) -> None:
-        """After a round that emitted ``tokens``: prompt lookup learns from them."""
-        if self.lookup is not None:
-            self.lookup.learn(tokens)
-
-    def observe_plain(self, seconds: float) -> None:
-        """A round the draft slept through verified one token in ``seconds``."""
-        self.costs.observe_verify(1, seconds)
-
-    def observe_other(self, seconds: float) -> None:
-        """A round's time outside drafting and verification."""
-        self.costs.observe_other(seconds)
-
     def report(self) -> dict:
         """What ``bench.json`` records of ``auto`` (its ``calibration``): the costs, and of
         the last request the final acceptance estimates and the measured acceptance at the
@@ -363,13 +322,25 @@ class AutoPolicy:
 
     # -- planning and learning ---------------------------------------------------------------
 
-    def plan(self, proposer: EagleProposer) -> Plan:
+    def sleeping(self) -> bool:
+        """Whether the draft sleeps through this round (:class:`Dormancy`); asked once a
+        round, before the draft catches up."""
+        return self.dormancy.sleeping()
+
+    def plan(self, proposer: EagleProposer, context: Context) -> Plan:
         """1. This round: greedy, prompt lookup's tokens alone, or the chain drafted token by
         token (a tree where siblings or lookup's tokens go beside it); sampling, the depth
-        the position estimates choose."""
+        the position estimates choose; none past the context's room, nothing while asleep."""
+        if self.lookup is not None:
+            room = context.room if context.awake else 0
+            self.lookup.propose(context.prompt, context.output, room=room)
+        if not context.awake:
+            return Plan(0, dormant=True)
         if self.sampling:
-            return Plan(self.estimated_depth())
-        fan = self._greedy_plan(proposer)
+            return Plan(min(self.estimated_depth(), context.room))
+        if not context.room:
+            return Plan(0, fan=Fan([], [], []))
+        fan = self._greedy_plan(proposer, context.room)
         if isinstance(fan, int):  # prompt lookup's first tokens promise the most
             return Plan(fan, tokens=self.lookup.proposal[:fan].to(self.device), lookup=True)
         if fan.siblings or fan.lookup:
@@ -379,11 +350,25 @@ class AutoPolicy:
         return Plan(len(fan.chain), tokens=chain, fan=fan)
 
     def observe(self, plan: Plan, outcome: Outcome, proposer: EagleProposer, stats) -> None:
-        """3. What a verified round teaches: the verification's cost; for a fan, the
-        siblings' confidences and the chain's along the accepted path
-        (:meth:`_observe_fan`); for a chain, the positions reached and the draft's
-        confidences (greedy), or the first position's would-be acceptance of a plain sampled
-        round. Lookup's rounds are marked in ``stats``."""
+        """3. What a round teaches: the verification's cost (a sleeping round's: one token's)
+        and, when the draft drafted, what :meth:`_learn` takes and whether to sleep; prompt
+        lookup's estimates from the emitted tokens; the round's other time."""
+        if plan.dormant:
+            self.costs.observe_verify(1, outcome.seconds)
+        else:
+            self._learn(plan, outcome, proposer, stats)
+            # one unsure token's plain round is no reason to sleep
+            self.dormancy.woke(plan.depth or self.estimated_depth())
+        if self.lookup is not None:
+            self.lookup.learn(outcome.tokens)
+        if outcome.other_seconds is not None:
+            self.costs.observe_other(outcome.other_seconds)
+
+    def _learn(self, plan: Plan, outcome: Outcome, proposer: EagleProposer, stats) -> None:
+        """A drafting round's lesson: its cost; for a fan, the siblings' confidences and the
+        chain's along the accepted path (:meth:`_observe_fan`); for a chain, the positions
+        reached and the draft's confidences (greedy), or the first position's would-be
+        acceptance of a plain sampled round. Lookup's rounds are marked in ``stats``."""
         if plan.paths:
             return self._observe_fan(plan, outcome, stats)
         self.costs.observe_verify(outcome.depth + 1, outcome.seconds)
@@ -422,16 +407,7 @@ class AutoPolicy:
         if path[:1] in plan.paths[2:]:  # a sibling (one node each), not the chain's first
             stats.sibling_hit_rounds.append(index)
 
-    def sleeping(self) -> bool:
-        """Whether the draft sleeps through this round (:class:`Dormancy`)."""
-        return self.dormancy.sleeping()
-
-    def woke(self, depth: int) -> None:
-        """After an awake round that verified ``depth`` draft tokens (one unsure token's plain
-        round is no reason to sleep)."""
-        self.dormancy.woke(depth or self.estimated_depth())
-
-    def _greedy_plan(self, proposer: EagleProposer) -> int | Fan:
+    def _greedy_plan(self, proposer: EagleProposer, room: int) -> int | Fan:
         """Greedy ``auto``'s proposal for a round: a number of prompt lookup's tokens to verify
         alone, or a :class:`Fan` (a chain, alone or in a tree with siblings and lookup's
         tokens). Lookup is weighed first (:meth:`_lookup_first`); when the draft drafts, the
@@ -441,7 +417,7 @@ class AutoPolicy:
         first = self._lookup_first(ranked)
         if first is not None:
             return first
-        draft_tokens, probs, candidate = self._draft_auto(proposer)
+        draft_tokens, probs, candidate = self._draft_auto(proposer, min(self.num_steps, room))
         draft_tokens, probs, candidate, ranked, siblings = self._siblings(
             ranked, draft_tokens, probs, candidate
         )
@@ -530,7 +506,7 @@ class AutoPolicy:
             for token, q in ranked:
                 self.sibling_confidence.observe(q, token == first)
 
-    def _draft_auto(self, proposer: EagleProposer):
+    def _draft_auto(self, proposer: EagleProposer, deepest: int):
         """Greedy ``auto`` drafting, token by token: a token is drafted while the best depth,
         under the calibrated acceptance of the tokens so far (this one's included) and the
         position estimates beyond, is deeper than what is drafted; a draft step is taken only
@@ -552,7 +528,7 @@ class AutoPolicy:
             probs.append(q)
             known.append(guess[depth])
             depth += 1
-            if depth == self.num_steps or best_depth([*known, *rates[depth:]], self.costs) <= depth:
+            if depth == deepest or best_depth([*known, *rates[depth:]], self.costs) <= depth:
                 walk.close()
                 return torch.cat(tokens), probs, None
             token, q = walk.send(True)

@@ -34,6 +34,7 @@ from specforge.errors import UserError
 from specforge.serving.adaptive import CostModel, calibrate
 from specforge.serving.policy import (
     AUTO_MAX_SIBLINGS,
+    Context,
     LookupOnly,
     Outcome,
     Plan,
@@ -230,13 +231,13 @@ class SpeculativeDecoder:
 
     # -- a round: plan and propose, verify, accept ------------------------------------------
 
-    def _propose(self, stats: SpecStats) -> Plan:
+    def _propose(self, context: Context, stats: SpecStats) -> Plan:
         """1. The policy's plan for this round with its proposal (:attr:`Plan.tree`): the
         policy's own (greedy ``auto``'s chain or fan, prompt lookup's tokens), else the
-        proposer's chain of the planned depth or its tree (``topk > 1``), none past what the
-        turn can still use; timed as drafting."""
+        proposer's chain of the planned depth or its tree (``topk > 1``), none past the
+        context's room (none at all while the draft sleeps); timed as drafting."""
         start = self._clock()
-        plan = self.policy.plan(self.proposer).capped(self._room - 1)
+        plan = self.policy.plan(self.proposer, context)
         if plan.tree is None and self.topk > 1 and plan.depth:
             shape = {"topk": self.topk, "num_draft_tokens": self.num_draft_tokens}
             plan.tree = self.proposer.tree(num_steps=self.num_steps, **shape).within(plan.depth)
@@ -244,7 +245,8 @@ class SpeculativeDecoder:
             if plan.depth and plan.tokens is None:
                 plan.tokens, plan.dists = self.proposer.chain(plan.depth)
             plan.tree = DraftTree.chain(self._tokens(plan.tokens), plan.dists)
-        stats.draft_seconds += self._clock() - start
+        if not plan.dormant:
+            stats.draft_seconds += self._clock() - start
         return plan
 
     def _tokens(self, tokens: torch.Tensor | None) -> torch.Tensor:
@@ -256,8 +258,8 @@ class SpeculativeDecoder:
     def _verified(self, plan: Plan, next_token: int, length: int, target_cache, stats):
         """2. and 3. The target verifies the plan's proposal after ``next_token``, the one
         acceptor keeps its longest accepted path (greedy, or by rejection sampling) and the
-        target's next token, the cache keeps their rows, the policy observes. Returns the
-        emitted tokens, the accepted count and their aux rows."""
+        target's next token, the cache keeps their rows. Returns the round's
+        :class:`~specforge.serving.policy.Outcome` and the aux rows of its emitted tokens."""
         tree, start = plan.tree, self._clock()
         target_logits, aux = self.verifier.verify(tree, next_token, length, target_cache)
         seconds = self._clock() - start
@@ -267,13 +269,9 @@ class SpeculativeDecoder:
             path, bonus = accept_sampling(tree, target_probs, self.generator)
         else:
             path, bonus = accept_greedy(tree, target_logits)
-        if plan.dormant:
-            self.policy.observe_plain(seconds)
-        else:
-            outcome = Outcome(plan.depth, path, bonus, target_logits, seconds)
-            self.policy.observe(plan, outcome, self.proposer, stats)
-        stats.depth_per_round.append(plan.depth)
-        return self.verifier.keep_path(tree, path, bonus, length, target_cache, aux)
+        outcome = Outcome(plan.depth, path, bonus, target_logits, seconds)
+        outcome.tokens, aux = self.verifier.keep_path(tree, path, bonus, length, target_cache, aux)
+        return outcome, aux
 
     def _plain_token(self, logits: torch.Tensor) -> int:
         """The target's next token from its own logits (the prefill's)."""
@@ -295,32 +293,26 @@ class SpeculativeDecoder:
         stats.prefill_seconds = self._clock() - start
         return target_cache, first
 
-    def _round(self, next_token: int, length: int, target_cache, stats: SpecStats, output):
-        """One round after ``output`` so far: the draft catches up over the tokens accepted
-        since it last drafted and proposes, or sleeps (``auto``'s dormancy) while the target
-        decodes alone. Returns the emitted tokens and whether the draft slept."""
+    def _round(self, next_token: int, length: int, target_cache, stats: SpecStats, context):
+        """One round: the draft catches up over the tokens accepted since it last drafted and
+        proposes, or sleeps (``auto``'s dormancy) while the target decodes alone; the policy
+        observes the outcome. Returns the emitted tokens."""
         round_start, measured = self._clock(), stats.draft_seconds + stats.verify_seconds
-        asleep = self.policy.sleeping()
-        self.policy.begin_round(self._prompt[0], output, awake=not asleep)
-        if asleep:  # the target decodes one token alone, keeping the aux row the draft needs
-            plan = Plan(0, tree=DraftTree.chain(self._tokens(None)), dormant=True)
-            stats.dormant_rounds += 1
-        else:
-            if self.proposer.catch_up():
-                stats.extend_seconds += self._clock() - round_start
-            plan = self._propose(stats)
-        new_tokens, accepted, aux = self._verified(plan, next_token, length, target_cache, stats)
-        if not asleep:
-            self.policy.woke(plan.depth)
-        self.policy.end_round(new_tokens)
-        stats.verifications += 1
-        stats.accepted_per_round.append(accepted)
-        self.proposer.accepted(new_tokens, aux)
-        if self.auto and stats.verifications > 1 and not asleep:
-            # the time outside drafting and verification (the extension included)
+        context.awake = not self.policy.sleeping()
+        if context.awake and self.proposer.catch_up():
+            stats.extend_seconds += self._clock() - round_start
+        plan = self._propose(context, stats)
+        outcome, aux = self._verified(plan, next_token, length, target_cache, stats)
+        if stats.verifications and context.awake:  # the time outside drafting and verifying
             inside = stats.draft_seconds + stats.verify_seconds - measured
-            self.policy.observe_other(self._clock() - round_start - inside)
-        return new_tokens
+            outcome.other_seconds = self._clock() - round_start - inside
+        self.policy.observe(plan, outcome, self.proposer, stats)
+        stats.dormant_rounds += plan.dormant
+        stats.depth_per_round.append(plan.depth)
+        stats.accepted_per_round.append(outcome.accepted)
+        stats.verifications += 1
+        self.proposer.accepted(outcome.tokens, aux)
+        return outcome.tokens
 
     @torch.no_grad()
     def generate(
@@ -342,14 +334,14 @@ class SpeculativeDecoder:
         stats = SpecStats(num_steps=self.num_steps)
         eos = set(eos_token_ids)
         self.generator = self.proposer.generator = generator
-        self._prompt = input_ids
         capacity = input_ids.shape[1] + max_new_tokens
         target_cache, next_token = self._prefill(input_ids, capacity, stats, start_time)
         output = [next_token]
         length = input_ids.shape[1]  # tokens whose target features are known (and cached)
         while len(output) < max_new_tokens and next_token not in eos:
-            self._room = max_new_tokens - len(output)  # the tokens this turn may still emit
-            new_tokens = self._round(next_token, length, target_cache, stats, output)
+            room = max_new_tokens - len(output) - 1  # a round emits its bonus token too
+            context = Context(input_ids[0], output, room)
+            new_tokens = self._round(next_token, length, target_cache, stats, context)
             length += len(new_tokens)
             for token in new_tokens:
                 output.append(token)

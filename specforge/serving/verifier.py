@@ -87,11 +87,11 @@ class TargetVerifier:
 
     @staticmethod
     def keep_path(tree: DraftTree, path: list[int], bonus: int, length: int, cache, aux):
-        """Keep the accepted ``path``'s cache rows only; returns what a round returns: the
-        emitted tokens, how many draft tokens were accepted and their aux rows."""
+        """Keep the accepted ``path``'s cache rows only; returns the emitted tokens (the path's
+        and the ``bonus``) and their aux rows."""
         rows = [0] + [node + 1 for node in path]
         gather_cache(cache, length, rows)  # a chain's rows are in place: a crop
         tokens = tree.tokens.tolist()
         in_place = rows == list(range(len(rows)))  # a chain's, a tree's leading path
         kept = aux[:, : len(rows)] if in_place else aux[:, rows]
-        return [tokens[node] for node in path] + [bonus], len(path), kept
+        return [tokens[node] for node in path] + [bonus], kept

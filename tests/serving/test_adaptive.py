@@ -318,27 +318,29 @@ class OracleLookup(PromptLookup):
         super().__init__(tokens)
         self.reference, self.right, self.wrong = reference, right, wrong
 
-    def propose(self, prompt, output, *, awake):
+    def propose(self, prompt, output, *, room):
         start = prompt.shape[0] + len(output)
-        indices = range(start, min(start + self.tokens, len(self.reference)))
+        indices = range(start, min(start + self.tokens, start + room, len(self.reference)))
         proposal = [
             self.reference[j] if self.right(j) else (self.reference[j] + self.wrong) % VOCAB
             for j in indices
         ]
-        self.proposal = torch.tensor(proposal) if awake and proposal else None
+        self.proposal = torch.tensor(proposal) if proposal else None
 
 
 def test_prompt_lookup_learns_apart_where_the_draft_s_first_choice_agrees_with_it():
     lookup = PromptLookup(3)
     prompt = torch.tensor([5, 6, 7, 8, 5, 6])  # after the last "5 6": 7 8 5
     for agree in [True, False] * 100:
-        lookup.propose(prompt, [], awake=True)
+        lookup.propose(prompt, [], room=10)
         lookup.compare(7 if agree else 9)
         lookup.learn([7, 8, 5] if agree else [1, 2, 3])
     differing, agreeing = lookup.estimates[False, 1], lookup.estimates[True, 1]  # a 2-token match
     assert agreeing.rates()[0] > 0.95 and differing.rates()[0] < 0.05
-    lookup.propose(prompt, [], awake=False)
+    lookup.propose(prompt, [], room=0)  # asleep, or the turn's last token
     assert lookup.proposal is None and not lookup.agrees
+    lookup.propose(prompt, [], room=2)
+    assert lookup.proposal.tolist() == [7, 8]
 
 
 def test_prompt_lookup_learns_apart_by_how_far_back_its_match_reaches():
@@ -348,7 +350,7 @@ def test_prompt_lookup_learns_apart_by_how_far_back_its_match_reaches():
     far = torch.tensor([1, 2, 3, 4, 9, 1, 2, 3, 4])  # "1 2 3 4" again: 9 1 follows it
     near = torch.tensor([8, 4, 9, 1, 2, 3, 4])  # "4" again, after 3 this time: 9 1
     for matched, prompt in [(4, far), (1, near)] * 100:
-        lookup.propose(prompt, [], awake=True)
+        lookup.propose(prompt, [], room=10)
         assert lookup.proposal.tolist() == [9, 1]
         lookup.learn([9, 1] if matched == 4 else [5, 5])
     assert lookup.estimates[False, 2].rates()[0] > 0.95  # matches of 3-4 tokens
@@ -371,6 +373,32 @@ def test_prompt_lookup_verifies_more_tokens_than_the_draft_s_deepest_chain(targe
     tokens, stats = decoder.generate(prompt, max_new_tokens=60)
     assert tokens == reference[prompt.shape[1] :]
     assert max(stats.accepted_per_round) == 12 > AUTO_MAX_DEPTH
+
+
+def test_auto_plans_no_round_past_the_turns_budget(target):  # noqa: F811
+    """Greedy ``auto``'s rounds (prompt lookup's 12 tokens, the draft's chain and its siblings
+    in one tree) are planned within what the turn can still use: no round verifies more tokens
+    than are left after it, and the output is the target's."""
+    torch.manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    reference = greedy_reference(target, prompt, 40)
+    for budget in (3, 9, 17):
+        decoder = SpeculativeDecoder(
+            target,
+            StubDraft(reference, lambda t: t % 2 == 0, VOCAB, sure=30.0),
+            aux_layer_ids=[1, 1, 0],
+            num_steps="auto",
+            lookup_tokens=12,
+        )
+        decoder.policy.costs = FixedCosts(verify=[0.036] * 17, draft_step=0.0015)
+        decoder.policy.lookup = OracleLookup(12, reference, lambda index: index % 3 > 0)
+        tokens, stats = decoder.generate(prompt, max_new_tokens=budget)
+        assert tokens == reference[prompt.shape[1] :][:budget]
+        left = budget - 1  # after the prefill's token
+        for depth, accepted in zip(stats.depth_per_round, stats.accepted_per_round, strict=True):
+            assert depth <= left - 1  # the round's bonus token needs a place too
+            left -= accepted + 1
+        assert max(stats.depth_per_round) > 0
 
 
 def test_auto_verifies_prompt_lookup_and_the_draft_in_one_tree(target):  # noqa: F811

@@ -258,28 +258,6 @@ def test_merged_tree_puts_siblings_beside_the_chain_and_shares_common_prefixes()
     assert paths == [[0, 1, 2], [0, 1, 3, 4], [5], [0]]
 
 
-def test_a_fan_past_the_budget_loses_its_deep_levels_and_keeps_its_paths():
-    """``auto``'s fan (a chain, prompt lookup's tokens and siblings in one tree) with fewer
-    tokens left than it is deep: its levels past them go, each chain's node list follows the
-    renumbered nodes, the chain's declined candidate is dropped; no room left: a plain
-    round that still teaches the siblings."""
-    from specforge.serving.policy import Fan, Plan
-    from specforge.serving.tree import merged_tree
-
-    fan = Fan([10, 11, 12], [0.9, 0.8, 0.7], [(20, 0.1), (21, 0.05)], 2, [10, 11, 30, 31], (5, 0.6))
-    tree, paths = merged_tree(fan.chains(), "cpu")
-    plan = Plan(int(tree.depths.max()), fan=fan, tree=tree, paths=paths)
-    assert plan.capped(4) is plan
-    cut = plan.capped(2)
-    assert cut.depth == 2 and cut.tree.tokens.tolist() == [10, 11, 20, 21]
-    assert cut.tree.parents.tolist() == [-1, 0, -1, -1]
-    assert cut.paths == [[0, 1], [0, 1], [2], [3]]
-    assert cut.fan.chain == [10, 11] and cut.fan.probs == [0.9, 0.8] and cut.fan.candidate is None
-    plain = plan.capped(0)
-    assert plain.depth == 0 and plain.tree is None and plain.fan.chain == []
-    assert plain.fan.siblings == 0 and plain.fan.ranked == fan.ranked
-
-
 def test_pruned_tree_puts_the_greedy_chain_first_and_parents_before_children():
     from specforge.serving.tree import prune
 

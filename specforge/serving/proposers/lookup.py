@@ -55,14 +55,15 @@ class PromptLookup:
         """The estimate this round's proposal falls under."""
         return self.estimates[self.agrees, self.bucket]
 
-    def propose(self, prompt: torch.Tensor, output: list[int], *, awake: bool) -> None:
-        """This round's :attr:`proposal` after ``prompt`` (T,) and ``output``: ``None`` while
-        the draft sleeps or when the last token occurs nowhere earlier."""
+    def propose(self, prompt: torch.Tensor, output: list[int], *, room: int) -> None:
+        """This round's :attr:`proposal` after ``prompt`` (T,) and ``output``, at most ``room``
+        tokens: ``None`` where there is no room (the draft sleeps, or the turn ends) or the
+        last token occurs nowhere earlier."""
         self.proposal, self.agrees, self.bucket = None, False, 0
-        if awake:
+        if room:
             sequence = torch.cat([prompt.cpu(), torch.tensor(output)])
             proposal, matched = self.candidates(sequence)
-            self.proposal = proposal if len(proposal) else None
+            self.proposal = proposal[:room] if len(proposal) else None
             self.bucket = sum(matched >= length for length in self.match_buckets)
 
     def candidates(self, sequence: torch.Tensor) -> tuple[torch.Tensor, int]:
