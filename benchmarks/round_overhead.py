@@ -10,9 +10,10 @@ verification forward: the draft's extension over the accepted tokens, the prefil
 the rounds, and the rest (an earlier commit reports all of it as one ``other_ms_per_round``).
 Where the commit reports it, the target's own prefill (which the target alone pays too) is
 shown apart, and "added" is the rest of "outside": what speculation itself adds.
-The current checkout runs without the prompt-lookup baseline and with the earlier commit's
-target baseline (HF generate's dynamic cache), so both speedup columns mean the same. Run it
-alone: a second CPU-heavy process slows PyTorch many times over.
+Both checkouts run the same bench arguments (no prompt-lookup baseline; the target alone through
+the same engine), so both speedup columns mean the same; ``--setting`` picks the settings
+(``auto`` is ``num_steps: auto`` with the bench's defaults). Run it alone: a second CPU-heavy
+process slows PyTorch many times over.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 SETTINGS = {
     "chain-2": ["--num-steps", "2"],
     "tree 4x5, 16 tokens": ["--num-steps", "5", "--topk", "4", "--num-draft-tokens", "16"],
+    "auto": ["--num-steps", "auto"],
 }
+BENCH = ["--prompt-lookup-num-tokens", "0", "--dtype", "float32"]
+"""What both checkouts run with beside the setting: greedy float32 (outputs comparable with the
+target's), no prompt-lookup baseline."""
 OUTSIDE = ("extend_ms_per_round", "prefill_ms_per_round", "other_ms_per_round")
 
 
@@ -62,6 +67,14 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--output", default="outputs/bench/round_overhead")
+    parser.add_argument(
+        "--setting",
+        nargs="+",
+        choices=sorted(SETTINGS),
+        default=["chain-2", "tree 4x5, 16 tokens"],
+        help="the settings to run (default: a short chain and a tree)",
+    )
+    parser.add_argument("--result", help="also write the results entry here (docs/results/...)")
     args = parser.parse_args()
     output = Path(args.output).resolve()  # each bench runs in its own checkout
     rows = []
@@ -71,15 +84,11 @@ def main() -> None:
             ["git", "worktree", "add", "--detach", str(before), args.before], cwd=REPO, check=True
         )
         try:
-            for name, extra in SETTINGS.items():
+            for name in args.setting:
                 slug = name.split()[0]
+                extra = [*SETTINGS[name], *BENCH]
                 old = bench(before, output / f"before-{slug}", args, extra)
-                new = bench(
-                    REPO,
-                    output / f"after-{slug}",
-                    args,
-                    [*extra, "--prompt-lookup-num-tokens", "0", "--no-target-compile"],
-                )
+                new = bench(REPO, output / f"after-{slug}", args, extra)
                 rows.append({"setting": name, "before": old, "after": new})
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=REPO)
@@ -94,6 +103,7 @@ def main() -> None:
                     "commit": args.before if when == "before" else "this checkout",
                     "tau": result["tau"],
                     "speedup": result["speedup"],
+                    "tokens_per_s": result["tokens_per_s"],
                     "all_match": result["all_match"],
                     "draft_ms": cost["draft_ms_per_round"],
                     "verify_ms": cost["verify_ms_per_round"],
