@@ -13,6 +13,8 @@ keeps its own cache, :class:`~specforge.models.eagle3.DraftKVCache`).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from specforge.engine.cache import SPAN_STEP, SlotKVCache, SlotKVPool, whole_spans
@@ -22,6 +24,9 @@ from specforge.models.eagle3 import AUX_STATES, Eagle3DraftModel
 
 MAX_GRAPH_TOKENS = 16
 """Extensions over more tokens than this run eagerly (each count is a graph of its own)."""
+
+
+logger = logging.getLogger(__name__)
 
 
 class DraftEngine:
@@ -137,3 +142,19 @@ class DraftEngine:
         cache.length += count
         # copies: a replayed graph's outputs are overwritten by its next replay
         return logits[0, -1].float().clone(), hidden[:, -1:].clone()
+
+
+def chain_draft_engine(draft_model, topk: int, engine, draft_engine) -> DraftEngine | None:
+    """What runs a chain's draft forwards: ``draft_engine``, else one replaying CUDA graphs
+    where the target's engine does and the draft's forwards read no tensor on the host
+    (:meth:`DraftEngine.host_sync`; else eagerly, said once); none for a tree (its draft keeps
+    its own cache)."""
+    if topk > 1:
+        return None
+    if draft_engine is None and engine is not None and engine.graphs:
+        graphs = DraftEngine(draft_model, graphs=True)
+        sync = graphs.host_sync()
+        if sync is None:
+            return graphs
+        logger.warning("the draft's forwards run eagerly, not as CUDA graphs: %s", sync)
+    return draft_engine

@@ -72,7 +72,7 @@ class DraftFamily:
     """It trains from a capture on disk (``data.mode: offline``)."""
     options: tuple[str, ...]
     """The ``draft.*`` / ``train.*`` keys it reads beyond every family's; a key of another
-    family's is refused at config load (:func:`specforge.families.check_options`)."""
+    family's is refused at config load (:func:`specforge.families.dispatch.check_options`)."""
     build: Callable[..., tuple[Any, Any, Any]]
     """``build(cfg, source, samples, device) -> (draft, draft_config, vocab_map or None)``:
     a new draft initialised from the target (``source.head``); it may set

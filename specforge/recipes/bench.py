@@ -122,7 +122,7 @@ def build_comparison(cfg: SpecForgeConfig, turns: int) -> tuple[MethodComparison
 
 def checked_inputs(cfg: SpecForgeConfig, questions_source: str):
     """What the built-in bench runs on, checked before any model loads: the export, at the
-    depth its family drafts (:func:`specforge.families.drafting_depth`), then the questions
+    depth its family drafts (:func:`specforge.families.dispatch.drafting_depth`), then the questions
     (none past the target's context); returns ``cfg`` with that depth and the questions.
 
     Raises:

@@ -8,7 +8,7 @@
    here, when the stage starts, not when the package is imported.
 2. refuse an ``output_dir`` that is a file, and options that ``draft.type``'s family does not
    read (another family's, or an offline capture for a family that trains online:
-   :func:`specforge.families.check_options`), before any model loads;
+   :func:`specforge.families.dispatch.check_options`), before any model loads;
 3. resolve the config's hardware-dependent ``auto`` values for the machine that runs it
    (:func:`specforge.config.resolve_auto`), so the stage's outputs record what actually ran.
 """

@@ -12,7 +12,8 @@ weights (names, shapes, dtypes, finite values, the EAGLE 3.1 norms where the con
 them), ``d2t`` as offsets with ``t2d`` consistent, and the aux layers within the target's. When
 every check passes, the gap lies in how the engine serves the draft (its version, its dtype, a
 key it reads differently), not in the export's contract. The checks are the export's family's
-(:func:`specforge.families.export_checks`).
+(:func:`specforge.families.dispatch.export_checks`). And an engine's own turns with the draft
+beside the same turns without it (:func:`against_baseline`).
 """
 
 from __future__ import annotations
@@ -59,4 +60,26 @@ def agreement(
         "agrees": gap <= margin,
         "builtin_acceptance_per_position": builtin["acceptance_per_position"],
         "engine_acceptance_per_position": engine["acceptance_per_position"],
+    }
+
+
+def against_baseline(
+    spec: list[dict[str, Any]], base: list[dict[str, Any]] | None, output: str
+) -> dict[str, Any]:
+    """An engine's turns with the draft (``spec``) beside the same turns without it (``base``,
+    or ``None``), one row per turn with its ``tokens`` and ``seconds``: tokens/s both ways, the
+    speedup, and whether each turn gave the same ``output`` (token ids, or text); a turn that
+    only one side answered counts as a mismatch."""
+
+    def speed(rows):
+        return sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)
+
+    matches = [s[output] == b[output] for s, b in zip(spec, base or [], strict=False)]
+    if base is not None and len(base) != len(spec):  # a turn one side lacks is a mismatch
+        matches += [False] * abs(len(spec) - len(base))
+    return {
+        "tokens_per_s": {"speculative": speed(spec), "baseline": speed(base) if base else None},
+        "speedup": speed(spec) / speed(base) if base else None,
+        "all_match": all(matches) if base else None,
+        "match_rate": sum(matches) / len(matches) if base else None,
     }

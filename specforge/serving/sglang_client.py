@@ -26,7 +26,7 @@ from specforge.data.chat import prompt_ids
 from specforge.data.questions import BenchQuestion, ask_turns, load_questions
 from specforge.errors import UserError
 from specforge.io import write_json_atomic, write_text_atomic
-from specforge.serving.stats import against_baseline
+from specforge.serving.agreement import against_baseline
 
 
 def sglang_generate(

@@ -1,14 +1,12 @@
 """What a speculative generation counted: rounds, accepted tokens, depths and where its time
 went (:class:`SpecStats`), and accept length ``tau`` = emitted tokens / verifications, the
 bonus token counted (so ``tau >= 1``), as SGLang's "avg accept length" and the EAGLE papers
-report it (docs/design.md, accept length); and what a serving engine's turns with a draft give
-beside the same turns without it (:func:`against_baseline`)."""
+report it (docs/design.md, accept length)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 
 @dataclass
@@ -99,25 +97,3 @@ class SpecStats:
         self.target_prefill_seconds += other.target_prefill_seconds
         self.dormant_rounds += other.dormant_rounds
         self.sibling_rounds += other.sibling_rounds
-
-
-def against_baseline(
-    spec: list[dict[str, Any]], base: list[dict[str, Any]] | None, output: str
-) -> dict[str, Any]:
-    """An engine's turns with the draft (``spec``) beside the same turns without it (``base``,
-    or ``None``), one row per turn with its ``tokens`` and ``seconds``: tokens/s both ways, the
-    speedup, and whether each turn gave the same ``output`` (token ids, or text); a turn that
-    only one side answered counts as a mismatch."""
-
-    def speed(rows):
-        return sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)
-
-    matches = [s[output] == b[output] for s, b in zip(spec, base or [], strict=False)]
-    if base is not None and len(base) != len(spec):  # a turn one side lacks is a mismatch
-        matches += [False] * abs(len(spec) - len(base))
-    return {
-        "tokens_per_s": {"speculative": speed(spec), "baseline": speed(base) if base else None},
-        "speedup": speed(spec) / speed(base) if base else None,
-        "all_match": all(matches) if base else None,
-        "match_rate": sum(matches) / len(matches) if base else None,
-    }

@@ -37,7 +37,7 @@ from specforge.data.chat import prompt_ids
 from specforge.data.questions import BenchQuestion, ask_turns
 from specforge.errors import UserError
 from specforge.processes import start_group, stop_group
-from specforge.serving.stats import against_baseline
+from specforge.serving.agreement import against_baseline
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"

@@ -13,7 +13,8 @@ tokens and the target's states at them), ``catch_up`` (before a round that draft
 
 from __future__ import annotations
 
-from specforge.serving.proposers.eagle import EagleProposer, chain_draft_engine
+from specforge.engine.draft import chain_draft_engine
+from specforge.serving.proposers.eagle import EagleProposer
 
 
 def eagle_proposer(
@@ -28,7 +29,7 @@ def eagle_proposer(
     top_p: float = 1.0,
 ) -> EagleProposer:
     """An EAGLE-3 chain (or tree) drafted step by step, its chain's forwards through CUDA graphs
-    where the target's engine replays them (:func:`chain_draft_engine`)."""
+    where the target's engine replays them (:func:`~specforge.engine.draft.chain_draft_engine`)."""
     return EagleProposer(
         draft_model,
         depth=num_steps,

@@ -11,7 +11,6 @@ the draft extends over them lazily (:meth:`EagleProposer.catch_up`), when a roun
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +21,6 @@ from specforge.engine.generation import warp_probs
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
 from specforge.serving.adaptive import first_acceptance
 from specforge.serving.tree import build_tree
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,22 +42,6 @@ def _check_slot(cache: SlotKVCache, position: int) -> None:
     """A chain's draft positions are its cache's slots: the next one is the cache's length."""
     if position != cache.length:
         raise RuntimeError(f"draft position {position} is not the draft cache's next slot")
-
-
-def chain_draft_engine(draft_model, topk: int, engine, draft_engine) -> DraftEngine | None:
-    """What runs a chain's draft forwards: ``draft_engine``, else one replaying CUDA graphs
-    where the target's engine does and the draft's forwards read no tensor on the host
-    (:meth:`DraftEngine.host_sync`; else eagerly, said once); none for a tree (its draft keeps
-    its own cache)."""
-    if topk > 1:
-        return None
-    if draft_engine is None and engine is not None and engine.graphs:
-        graphs = DraftEngine(draft_model, graphs=True)
-        sync = graphs.host_sync()
-        if sync is None:
-            return graphs
-        logger.warning("the draft's forwards run eagerly, not as CUDA graphs: %s", sync)
-    return draft_engine
 
 
 class EagleProposer:
