@@ -17,6 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
+from common import parse_smoke
+
 from specforge.config import load_config
 from specforge.io import read_jsonl
 from specforge.recipes.bench import bench
@@ -52,7 +54,7 @@ def main() -> None:
     parser.add_argument(
         "--configurations", nargs="+", choices=list(CONFIGURATIONS), default=list(CONFIGURATIONS)
     )
-    args = parser.parse_args()
+    args = parse_smoke(parser, limit=1, max_new_tokens=8)
     rows = {}
     for name in args.configurations:
         drafting = CONFIGURATIONS[name]

@@ -36,7 +36,7 @@ import contextlib
 from pathlib import Path
 
 import torch
-from common import profiled
+from common import parse_smoke, profiled
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
@@ -134,7 +134,7 @@ def main() -> None:
     )
     parser.add_argument("--output", default="outputs/bench/adaptive_depth.json")
     parser.add_argument("overrides", nargs="*", help="overrides: target.prepack_linear=false")
-    args = parser.parse_args()
+    args = parse_smoke(parser, limit=1, max_new_tokens=8, settings=["2", "auto"])
     with contextlib.ExitStack() as stack:
         if args.sdpa_backends:
             stack.enter_context(sdpa_kernel([SDPA_BACKENDS[b] for b in args.sdpa_backends]))

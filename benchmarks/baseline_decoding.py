@@ -23,6 +23,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from common import parse_smoke
 
 from specforge.config import load_config
 from specforge.data.chat import end_of_turn_ids, pad_id_of, prompt_ids
@@ -72,7 +73,7 @@ def main() -> None:
         default=["dynamic", "static+compile", "loop", "engine", "engine+compile"],
     )
     parser.add_argument("--output", default="outputs/bench/baseline_decoding.json")
-    args = parser.parse_args()
+    args = parse_smoke(parser, limit=1, max_new_tokens=8)
     cfg = load_config(None, [f"target.name_or_path={args.target}", f"target.dtype={args.dtype}"])
     model, tokenizer = load_target(cfg.target, dtype=args.dtype)
     eos = end_of_turn_ids(tokenizer, model.generation_config)

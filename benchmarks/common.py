@@ -1,9 +1,11 @@
 """What several benchmark scripts share: running ``specforge`` stages as subprocesses (each
 skipped when its output is already there, so a rerun resumes), timing a callable, and
-profiling a block. A script imports this module, never another script."""
+profiling a block; the ``--smoke`` option every script has. A script imports this module, never
+another script."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -24,6 +26,24 @@ from specforge.models.target import target_hidden_states
 from specforge.trainer.checkpoint import latest_sound_checkpoint, read_trainer_state
 from specforge.trainer.sources import OnlineTarget, draft_target_distribution
 from specforge.trainer.ttt import TTTObjective
+
+
+def parse_smoke(parser: argparse.ArgumentParser, **sizes) -> argparse.Namespace:
+    """The script's arguments, with ``--smoke``: its sizes (argument name -> value: questions,
+    tokens, steps, minutes) made as small as still runs every part of it end to end, on the
+    inputs given (the test suite's tiny target, draft and data). What a smoke run prints
+    measures nothing; it proves the script still runs."""
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="run every part on the smallest sizes (" + ", ".join(sizes) + "): a check that "
+        "the script runs, not a measurement",
+    )
+    args = parser.parse_args()
+    if args.smoke:
+        for name, value in sizes.items():
+            setattr(args, name, value)
+    return args
 
 
 def specforge(*arguments: str) -> None:

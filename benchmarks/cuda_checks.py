@@ -46,6 +46,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import parse_smoke
+
 from specforge.processes import run_group
 from specforge.results import write_result
 
@@ -56,11 +58,12 @@ def stages(args) -> list[tuple[str, list[str], float]]:
     """(name, command, seconds allowed) of every stage this run has the inputs for."""
     out, py = Path(args.output), sys.executable
     runs = []
+    target = ["--target", args.target, *(["--smoke"] if args.smoke else [])]
     if args.draft:
         runs.append(
             (
                 "engine",
-                [py, "benchmarks/engine_speedup.py", "--draft", args.draft, "--device"]
+                [py, "benchmarks/engine_speedup.py", *target, "--draft", args.draft, "--device"]
                 + [args.device, "--questions", args.questions, "--limit", str(args.limit)]
                 + ["--eager-limit", str(args.eager_limit), "--output", str(out / "engine_speedup")],
                 args.seconds[0],
@@ -70,7 +73,7 @@ def stages(args) -> list[tuple[str, list[str], float]]:
         runs.append(
             (
                 "adaptive",
-                [py, "benchmarks/adaptive_depth.py", "--draft", args.draft]
+                [py, "benchmarks/adaptive_depth.py", *target, "--draft", args.draft]
                 + ["--questions", args.questions, "--limit", str(args.limit)]
                 + ["--settings", *depths, "auto", "--output", str(out / "adaptive_depth.json")]
                 + [f"target.device={args.device}"],
@@ -81,7 +84,8 @@ def stages(args) -> list[tuple[str, list[str], float]]:
             runs.append(
                 (
                     f"round profile{name}",
-                    [py, "benchmarks/adaptive_depth.py", "--draft", args.draft, "--profile"]
+                    [py, "benchmarks/adaptive_depth.py", *target, "--draft", args.draft]
+                    + ["--profile"]
                     + ["--questions", args.questions, "--limit", "1", "--settings", "5"]
                     + (["--sdpa-backends", *kernels] if kernels else [])
                     + ["--output", str(out / f"round_profile{len(kernels)}.json")]
@@ -92,7 +96,7 @@ def stages(args) -> list[tuple[str, list[str], float]]:
     runs.append(
         (
             "decode step",
-            [py, "benchmarks/decode_step.py", "--device", args.device, "--profile", "256"]
+            [py, "benchmarks/decode_step.py", *target, "--device", args.device, "--profile", "256"]
             + ["--batch-sizes", "1", "64", "256", "1024"]
             + ["--output", str(out / "decode_step.json")],
             args.seconds[1],
@@ -175,7 +179,10 @@ def main() -> None:
         "--only", nargs="+", metavar="STAGE", help="run these stages alone (default: every one)"
     )
     parser.add_argument("--output", default="outputs/cuda")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--target", default="smollm2-135m", help="the target of the bench and decode stages"
+    )
+    args = parse_smoke(parser, limit=1, eager_limit=1, regenerate_prompts=4, batch_tokens=256)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     runs = stages(args)

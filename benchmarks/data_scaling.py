@@ -24,6 +24,8 @@ import shutil
 import time
 from pathlib import Path
 
+from common import parse_smoke
+
 from specforge.config import DEFAULT_RECIPE, load_config
 from specforge.io import read_jsonl, write_json_atomic
 from specforge.results import write_result
@@ -222,7 +224,9 @@ def main() -> None:
         "--rebench", type=int, nargs="+", default=[], help="finished sizes to bench again first"
     )
     parser.add_argument("overrides", nargs="*", help="dotted recipe overrides for every stage")
-    args = parser.parse_args()
+    args = parse_smoke(
+        parser, sizes=[2000], questions_limit=1, max_new_tokens=8, min_steps=2, batch_size=4
+    )
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     for size in args.rebench:

@@ -24,7 +24,7 @@ import platform
 import time
 
 import torch
-from common import profiled
+from common import parse_smoke, profiled
 
 from specforge.config import TargetConfig
 from specforge.data.chat import pad_id_of, prompt_ids
@@ -65,7 +65,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="extra decode steps timed")
     parser.add_argument("--profile", type=int, default=0, help="a batch size to profile")
     parser.add_argument("--output", default="outputs/bench/decode_step.json")
-    args = parser.parse_args()
+    args = parse_smoke(parser, batch_sizes=[1, 2], warm_up=2, steps=2)
+    if args.smoke and args.profile:  # profile a batch size the smoke run has
+        args.profile = args.batch_sizes[-1]
     for name in ("warm_up", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -33,7 +33,7 @@ import argparse
 import json
 from pathlib import Path
 
-from common import bench, export_once, specforge
+from common import bench, export_once, parse_smoke, specforge
 
 from specforge.families import REGISTRY
 from specforge.families.dispatch import family_of_export
@@ -73,6 +73,7 @@ def run_arm(arm: list[str], args, first: bool) -> dict:
         f"bench.max_new_tokens={args.max_new_tokens}",
         f"bench.num_steps={steps}",
         f"bench.prompt_lookup_num_tokens={lookup_tokens}",
+        *(o for o in args.overrides if o.startswith("target.")),  # the target trained on
     )
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if m.get("split") == "eval"]
@@ -126,7 +127,7 @@ def main() -> None:
     parser.add_argument("--result", default=None, help="the JSON (default OUTPUT/ab.json)")
     parser.add_argument("--title", default="Draft families at equal time (cpu)")
     parser.add_argument("overrides", nargs="*", help="training overrides for every family")
-    args = parser.parse_args()
+    args = parse_smoke(parser, minutes=0.05, limit=1, max_new_tokens=8)
     arms = args.arm or [[family, family] for family in args.families]
     if any(len(arm) < 2 for arm in arms):
         parser.error(f"--arm needs NAME FAMILY [KEY=VALUE ...], got {args.arm}")

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import parse_smoke
+
 WARM_UP_PROMPT = "Write a haiku about the sea."
 
 
@@ -157,7 +159,7 @@ def main() -> None:
     parser.add_argument("--eager-limit", type=int, default=10)
     parser.add_argument("--output", default="outputs/bench/engine_speedup")
     parser.add_argument("--warm-up-only", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_smoke(parser, limit=1, max_new_tokens=8, eager_limit=1)
     if args.warm_up_only:
         _warm_up_here(args.target, args.device)
         return

@@ -27,7 +27,7 @@ import argparse
 import json
 from pathlib import Path
 
-from common import answers, replayed_taus, specforge, start_recipe
+from common import answers, parse_smoke, replayed_taus, specforge, start_recipe
 
 from specforge.io import iter_jsonl
 from specforge.results import figures_markdown, write_result
@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=5, help="the chain depth scored")
     parser.add_argument("--output", default="outputs/finetune", help="the runs' folder")
     parser.add_argument("--result", default=None, help="the JSON (default OUTPUT/finetune.json)")
-    args = parser.parse_args()
+    args = parse_smoke(parser, train_questions=2, test_questions=1, minutes=0.05, max_new_tokens=8)
     output = Path(args.output)
     recipe, state = start_recipe(Path(args.start), output)
     if not (Path(args.start) / "export" / "config.json").is_file():

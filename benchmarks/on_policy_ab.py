@@ -29,7 +29,7 @@ import json
 import shutil
 from pathlib import Path
 
-from common import answers, bench, export_once, replayed_taus, specforge, start_recipe
+from common import answers, bench, export_once, parse_smoke, replayed_taus, specforge, start_recipe
 
 from specforge.results import figures_markdown, write_result
 from specforge.trainer.checkpoint import latest_sound_checkpoint
@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--bench-steps", default="auto", help="the bench's num_steps")
     parser.add_argument("--output", default="outputs/on_policy_ab", help="the runs' folder")
     parser.add_argument("--result", default=None, help="the JSON (default OUTPUT/ab.json)")
-    args = parser.parse_args()
+    args = parse_smoke(parser, minutes=0.05, max_new_tokens=8)
     recipe, state = start_recipe(Path(args.start), Path(args.output))
     step = state["step"]
     questions = dict(item.split("=", 1) for item in args.set)

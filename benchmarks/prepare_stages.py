@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from common import parse_smoke
 
 from specforge.config import RegenerateConfig, SynthesizeConfig, TargetConfig
 from specforge.data.chat import end_of_turn_ids, tokenize_conversations
@@ -173,7 +174,7 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="the target's device (cpu, cuda)")
     parser.add_argument("--output", default="outputs/bench/prepare_stages.json")
-    args = parser.parse_args()
+    args = parse_smoke(parser, limit=2, max_new_tokens=8)
     unknown = sorted(set(args.paths or []) - set(paths(args)))
     if unknown:
         parser.error(f"unknown paths {unknown}; choose from {list(paths(args))}")

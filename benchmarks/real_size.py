@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import parse_smoke
 
 from specforge.config import TargetConfig, load_config
 from specforge.io import write_json_atomic
@@ -219,7 +220,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=600, help="time allowed a stage")
     parser.add_argument("--output", default="outputs/real_size")
     parser.add_argument("--stage", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_smoke(parser, scale="tiny", batch_tokens=256, max_length=128, capture_limit=4)
     out = Path(args.output)
     if args.stage == "capture":
         write_json_atomic(out / "capture.json", capture_stage(args))

@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from common import parse_smoke
 
 from specforge.config import load_config
 from specforge.config.resolve import resolve_auto
@@ -174,7 +175,7 @@ def main() -> None:
     parser.add_argument("--output", default="outputs/bench/train_throughput.json")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="dotted config overrides")
-    args = parser.parse_args()
+    args = parse_smoke(parser, steps=4, warmup=1, batch_tokens=256)
     if args.steps < 4 * args.warmup or args.steps % (2 * args.warmup):
         parser.error(
             f"--steps ({args.steps}) must be a multiple of twice --warmup ({args.warmup}), "

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import median_ms
+from common import median_ms, parse_smoke
 
 from specforge.config import TargetConfig
 from specforge.config.resolve import TORCH_DTYPES, torch_dtype
@@ -69,7 +69,7 @@ def engine_timings(target, args) -> tuple[dict[str, dict[int, float]], dict[str,
         plan = engine.stats.row_plan or plan
 
         def call(k: int, engine=engine, cache=cache) -> float:
-            ids = torch.randint(0, 1000, (1, k), generator=generator)
+            ids = torch.randint(0, target.config.vocab_size, (1, k), generator=generator)
             start = time.perf_counter()
             engine.forward(ids, cache)
             seconds = time.perf_counter() - start
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--output", default="outputs/bench/verify_cost.json")
     parser.add_argument("--engine", action="store_true", help="the engine's forwards too")
-    args = parser.parse_args()
+    args = parse_smoke(parser, context=16, tokens=[1, 2], repeats=1)
     from transformers import DynamicCache
 
     target, _ = load_target(TargetConfig(args.target, dtype=args.dtype))

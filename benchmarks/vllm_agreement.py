@@ -22,9 +22,11 @@ Run it alone (vLLM and the bench share the CPU).
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 from pathlib import Path
 
-from common import bench
+from common import bench, parse_smoke
 
 from specforge.results import figures_markdown, write_result
 
@@ -37,17 +39,31 @@ def serve(name: str, export: str, steps: int, bench_json: str, mode: str, args) 
     return bench(
         Path(args.output) / (name if mode == "eager" else f"{name}_{mode}"),
         *("--config", RECIPE, "--engine", "vllm"),
+        *(("--target", args.target) if args.target else ()),
         *("--vllm-python", args.vllm_python, "--draft", export),
         *("--questions", args.questions, "--limit", str(args.limit)),
         *("--num-steps", str(steps), "--max-new-tokens", str(args.max_new_tokens)),
         *("--agree-with", bench_json),
-        *(['bench.vllm_args=["--no-enforce-eager"]'] if mode == "compiled" else []),
+        *vllm_args(
+            [*shlex.split(args.vllm_flags), *(["--no-enforce-eager"] * (mode == "compiled"))]
+        ),
     )
+
+
+def vllm_args(flags: list[str]) -> list[str]:
+    """The bench override that passes ``flags`` to the launched vLLM servers (none: none)."""
+    return [f"bench.vllm_args={json.dumps(flags)}"] if flags else []
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", required=True)
+    parser.add_argument("--target", help="the exports' target (default: the recipe's)")
+    parser.add_argument(
+        "--vllm-flags",
+        default="",
+        help="more flags for the vLLM servers, one string (--vllm-flags='--max-model-len 512')",
+    )
     parser.add_argument("--export", action="append", required=True, help="NAME=DIR:STEPS:BENCH")
     parser.add_argument("--questions", required=True)
     parser.add_argument("--limit", type=int, default=10)
@@ -61,7 +77,7 @@ def main() -> None:
         default=["eager"],
         help="vLLM eager (--enforce-eager) and/or compiled (--no-enforce-eager)",
     )
-    args = parser.parse_args()
+    args = parse_smoke(parser, limit=1, max_new_tokens=8)
     rows = []
     for spec in args.export:
         name, _, rest = spec.partition("=")

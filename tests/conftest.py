@@ -9,7 +9,15 @@ import os
 import pytest
 import torch
 
-from tests.helpers import make_tiny_llama, make_tiny_tokenizer, write_peaked_target
+from tests.helpers import (
+    VLLM_ENV,
+    VLLM_PIN,
+    install_vllm,
+    make_tiny_llama,
+    make_tiny_tokenizer,
+    vllm_version,
+    write_peaked_target,
+)
 
 
 def share_the_cores() -> None:
@@ -58,3 +66,25 @@ def peaked_target_dir(tmp_path):
     """A tiny random target with large weights (a peaked, learnable next-token distribution)
     and a small memorizable conversation set."""
     return write_peaked_target(tmp_path)
+
+
+@pytest.fixture(scope="package")
+def vllm_python() -> str:
+    """An interpreter with the pinned vLLM: ``SPECFORGE_VLLM_PYTHON``, else the suite's own
+    environment (:data:`VLLM_ENV`), installed on first use where ``SPECFORGE_VLLM_INSTALL=1``
+    (a few minutes from the package index); skipped, with the reason, otherwise."""
+    given = os.environ.get("SPECFORGE_VLLM_PYTHON")
+    if given:
+        return given
+    python = VLLM_ENV / "bin" / "python"
+    pinned = VLLM_PIN.split("==")[1]
+    if vllm_version(python) != pinned:
+        if os.environ.get("SPECFORGE_VLLM_INSTALL") != "1":
+            pytest.skip(
+                f"no vLLM environment: set SPECFORGE_VLLM_PYTHON, or SPECFORGE_VLLM_INSTALL=1 "
+                f"to install {VLLM_PIN} into {VLLM_ENV}"
+            )
+        failed = install_vllm(VLLM_ENV)
+        if failed or vllm_version(python) != pinned:
+            pytest.skip(f"{VLLM_PIN} could not be installed here: {failed}")
+    return str(python)

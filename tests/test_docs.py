@@ -23,8 +23,8 @@ from specforge.docgen import main as docgen_main
 from specforge.docgen import pages
 from specforge.errors import UserError
 from specforge.results import PROVENANCE_KEYS, load_results, write_result
-from tests.helpers import REPO, sglang_loopback
-from tests.serving.test_vllm_client import VLLM_PIN, vllm_rows
+from tests.helpers import REPO, VLLM_PIN, sglang_loopback
+from tests.serving.test_vllm_client import vllm_rows
 
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RECIPES = sorted((REPO / "specforge" / "configs").glob("*.yaml"))

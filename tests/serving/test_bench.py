@@ -203,7 +203,7 @@ def test_a_divergence_names_its_position_and_the_targets_top_two_margin(tiny_tar
 def test_a_turn_only_one_side_answered_is_a_mismatch():
     """Against the baseline, a missing turn is not skipped: ``all_match`` is False and the
     match rate counts it."""
-    from specforge.serving.stats import against_baseline
+    from specforge.serving.agreement import against_baseline
 
     spec = [{"tokens": 4, "seconds": 1.0, "token_ids": [1, 2]} for _ in range(3)]
     report = against_baseline(spec, spec[:2], "token_ids")

