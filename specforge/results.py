@@ -214,8 +214,7 @@ def _entry(stem: str, record: dict[str, Any]) -> list[str]:
         where.append("nothing else ran")
     lines = [
         f'### <a id="{stem}"></a>{record["title"]}',
-        f"{record['summary']}<br>",
-        f"<sub>{' · '.join(where)}</sub><br>`{record['command']}`",
+        f"{record['summary']}<br><sub>{' · '.join(where)}</sub><br>`{record['command']}`",
         "",
         *_figures_table(record["figures"]),
         "",
