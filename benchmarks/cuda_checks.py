@@ -204,6 +204,9 @@ def main() -> None:
         print(f"{name}: {rc} after {took:.0f} s (log: {log})", flush=True)
         write_result(out / "cuda_checks.json", {"stages": summary, "argv": sys.argv})
     print(json.dumps(summary, indent=1))
+    failed = [row["stage"] for row in summary if row["returncode"] != 0]
+    if failed:
+        raise SystemExit(f"stages that failed: {failed} (their logs are in {out})")
 
 
 if __name__ == "__main__":
