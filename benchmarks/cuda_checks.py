@@ -1,5 +1,6 @@
 """The GPU checks of the runtime and data-engine issues in one bounded run on a CUDA machine:
-each stage a subprocess with its own time limit, its log beside a summary JSON.
+each stage a subprocess with its own time limit, its log beside a summary JSON; the run exits
+non-zero naming the stages that failed or timed out.
 
     python benchmarks/cuda_checks.py --draft outputs/quickstart/export \\
         --questions question.jsonl --data outputs/quickstart/conversations.jsonl \\
