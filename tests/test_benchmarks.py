@@ -77,8 +77,8 @@ def tiny(tmp_path_factory):
 
 def tiny_inputs(root, **target) -> dict:
     """The smoke runs' inputs: a tiny target (``target``: its shape), its conversations, a
-    trained run with an export inside (what ``--start`` takes), the built-in bench of that
-    export, two MT-Bench-format questions and four GSM8K records."""
+    trained run with an export inside (what ``--start`` takes), two MT-Bench-format questions
+    and four GSM8K records."""
     folder, data = write_peaked_target(root, **target)
     run = root / "run"
     checkpoint = train(tiny_train_config(folder, data, run, "train.max_steps=2")).checkpoint
@@ -89,12 +89,7 @@ def tiny_inputs(root, **target) -> dict:
     gsm8k = root / "gsm8k.jsonl"
     records = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(4)]
     gsm8k.write_text("".join(json.dumps(r) + "\n" for r in records))
-    bench = root / "bench"
-    arguments = ["--target", str(folder), "--draft", str(run / "export"), "--num-steps", "3"]
-    arguments += ["--questions", str(questions), "--max-new-tokens", "8", "--output", str(bench)]
-    assert main(["bench", *arguments]) == 0
     return {
-        "bench": str(bench / "bench.json"),
         "target": str(folder),
         "data": str(data),
         "run": str(run),
@@ -195,7 +190,13 @@ def test_the_vllm_agreement_script_runs_end_to_end_with_smoke(tmp_path, vllm_pyt
     """In vLLM's own environment (the ``vllm_python`` fixture of ``conftest.py``), on a target
     vLLM's CPU attention serves (64-wide heads, 8 layers: tests/serving/test_vllm_client.py)."""
     inputs = tiny_inputs(tmp_path, hidden=256, num_layers=8)
-    smoke("vllm_agreement", {**inputs, "vllm_python": vllm_python})
+    bench = tmp_path / "bench"  # the built-in bench vLLM's is compared with
+    arguments = ["--target", inputs["target"], "--draft", inputs["export"], "--num-steps", "3"]
+    arguments += ["--questions", inputs["questions"], "--max-new-tokens", "8"]
+    assert main(["bench", *arguments, "--output", str(bench)]) == 0
+    smoke(
+        "vllm_agreement", {**inputs, "bench": str(bench / "bench.json"), "vllm_python": vllm_python}
+    )
 
 
 def smoke(name: str, tiny: dict) -> None:

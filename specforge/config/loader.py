@@ -205,8 +205,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring written under each field of a config dataclass (for ``--help``), its
-    bases' included; a field that is a section of its own without one (a family's, composed
-    into ``draft``) takes its class's docstring."""
+    bases' included (a class composed at import, ``DraftConfig``, has no source of its own)."""
     docs = {}
     for klass in reversed(cls.__mro__[:-1]):
         try:
@@ -223,7 +222,4 @@ def field_docs(cls: type) -> dict[str, str]:
                 and isinstance(after.value.value, str)
             ):
                 docs[node.target.id] = " ".join(after.value.value.split())
-    for spec in dataclasses.fields(cls):
-        if spec.name not in docs and dataclasses.is_dataclass(spec.type):
-            docs[spec.name] = " ".join((spec.type.__doc__ or "").split())
     return docs
