@@ -24,7 +24,7 @@ pick the depth that maximises expected tokens per second on this device.
   comes with the draft's extension, which every round pays); the ``K`` in
   ``0 .. max_depth`` with the largest ``E / T`` (0 is plain decoding: one target forward,
   while the draft still follows the text). Verification is unchanged, so it stays lossless.
-- **Siblings** (greedy rounds, :func:`best_siblings`): the first draft position may also get
+- **Siblings** (greedy rounds, :func:`tree_rate`): the first draft position may also get
   the draft's next most likely tokens, verified beside the chain as a small tree (a fan at
   position 1). Only one of them can be the target's token, so each adds its own acceptance to
   ``E`` (its ``q`` calibrated apart, :class:`ConfidenceCalibration`, learnt every round from
@@ -32,7 +32,9 @@ pick the depth that maximises expected tokens per second on this device.
   On a CPU, where verifying 4 tokens costs little more than 2, that buys accepted tokens a
   deeper chain cannot. A tree's verification (its mask and positions) costs a little more than
   a chain's of the same width: the excess is learnt apart from the chain widths
-  (:attr:`CostModel.tree_extra`).
+  (:attr:`CostModel.tree_extra`). Which of the chain, its siblings and prompt lookup's first
+  tokens a round verifies is chosen together, as the tree of them with the most expected
+  tokens per second (:meth:`~specforge.serving.policy.AutoPolicy.best_round`).
 - **Dormancy** (:class:`Dormancy`): while plain decoding wins, the draft need not follow every
   token. After a plain round that the position estimates chose too (not one where a single
   token the draft was unsure of stopped a draft that pays in general), it sleeps for a span of
@@ -182,17 +184,6 @@ def tree_rate(chains: list[tuple[list[int], list[float]]], depth: int, costs: Co
     return (1 + sum(reach.values())) / seconds
 
 
-def best_siblings(candidates: list[float], chain: list[float], costs: CostModel) -> int:
-    """How many of the first position's next candidates (acceptances ``candidates``, most
-    likely first) to verify beside the chain ``chain`` (``K >= 1``): the number with the most
-    expected tokens per second, within the widths calibrated (the fewer on a tie)."""
-    room = min(len(candidates), costs.max_depth - len(chain))
-    return max(
-        range(max(room, 0) + 1),
-        key=lambda n: (round_rate(chain, candidates[:n], costs), -n),
-    )
-
-
 def best_depth(acceptance: list[float], costs: CostModel, *, drafted: bool = True) -> int:
     """The depth in ``0 .. len(acceptance)`` (within the widths calibrated) with the most
     expected tokens per second (the shallower one on a tie), for a chain the draft drafts or
@@ -311,6 +302,10 @@ class ConfidenceCalibration:
 
     def observe(self, q: float, hit: bool) -> None:
         self.counts.observe(self._bin(q), hit)
+
+    def by_bin(self) -> list[float]:
+        """The acceptance measured at the centre of each bin (what ``bench.json`` reports)."""
+        return [round(self.acceptance((b + 0.5) / self.bins), 3) for b in range(self.bins)]
 
 
 @torch.no_grad()

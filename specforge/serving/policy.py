@@ -25,7 +25,6 @@ from specforge.serving.adaptive import (
     CostModel,
     Dormancy,
     best_depth,
-    best_siblings,
     round_rate,
     tree_rate,
 )
@@ -83,53 +82,58 @@ def _check_tree_size(topk: int, num_steps: int, num_draft_tokens: int | None) ->
 
 @dataclass
 class Fan:
-    """A greedy ``auto`` round verified as one tree (:func:`merged_tree`): the draft's chain,
-    further candidates for its first position beside it, and prompt lookup's first tokens."""
+    """A greedy ``auto`` round's candidates and the part of each it verifies, merged into one
+    tree (:func:`merged_tree`): the draft's chain, its first position's further candidates
+    (siblings) and prompt lookup's proposal."""
 
     chain: list[int]
-    """The draft's chain (target ids), drafted step by step."""
+    """The draft's chain (target ids): drafted step by step, or its first token alone (free:
+    its logits came with the extension)."""
     probs: list[float]
     """The draft's probability of each chain token."""
     ranked: list[tuple[int, float]]
     """The first position's further draft candidates ``(target id, q)``, most likely first:
     all learn from the target's first token, verified or not."""
+    lookup: list[int] = field(default_factory=list)
+    """Prompt lookup's proposal (none: no ``lookup_tokens``, or nothing matched)."""
+    candidate: tuple[int, float] | None = None
+    """The token the walk declined after the chain ``(target id, q)``, if any."""
+    depth: int = 0
+    """How many of :attr:`chain` are verified: all or none."""
     siblings: int = 0
     """How many of :attr:`ranked` are verified."""
-    lookup: list[int] = field(default_factory=list)
-    """Prompt lookup's tokens verified beside the draft's (none: the draft's only)."""
-    candidate: tuple[int, float] | None = None
-    """The chain's declined next token ``(target id, q)``, as :meth:`AutoPolicy.
-    _draft_auto` returns it."""
+    lookups: int = 0
+    """How many of :attr:`lookup` are verified."""
 
     def chains(self) -> list[list[int]]:
         """What the tree merges: the chain first (its rows lead), then lookup, then the
         siblings."""
-        return [self.chain, self.lookup, *([token] for token, _ in self.ranked[: self.siblings])]
+        siblings = ([token] for token, _ in self.ranked[: self.siblings])
+        return [self.chain[: self.depth], self.lookup[: self.lookups], *siblings]
+
+    def next_candidate(self) -> tuple[int, float] | None:
+        """The draft's token after the verified chain: the first unverified chain token, or
+        the one the walk declined."""
+        if self.depth < len(self.chain):
+            return self.chain[self.depth], self.probs[self.depth]
+        return self.candidate
 
 
 @dataclass
 class Plan:
-    """A round as a policy planned it: a chain of :attr:`depth` tokens (:attr:`tokens`, or the
-    proposer drafts them), or a :attr:`tree`; the runtime verifies its :attr:`tree`, a chain
-    as a tree of width one."""
+    """A round as a policy planned it: its depth and what it verifies (:attr:`tree`; a chain
+    is a tree of width one)."""
 
     depth: int
-    """Tokens verified after the last one (0 decodes one token alone)."""
-    tokens: torch.Tensor | None = None
-    """The chain (K,), where the policy has it: drafted while planning (greedy ``auto``) or
-    prompt lookup's (:attr:`lookup`)."""
-    dists: torch.Tensor | None = None
-    """Sampling: the draft distributions (K, V) the chain's tokens were drawn from."""
-    fan: Fan | None = None
-    """Greedy ``auto``: the chain's facts to learn from."""
+    """Tokens verified after the last one (0 decodes one token alone; a tree's depth)."""
     tree: DraftTree | None = None
-    """What the round verifies: greedy ``auto``'s fan (siblings or lookup's tokens beside the
-    chain) with the token lists it merged in :attr:`paths`
-    (:func:`~specforge.serving.tree.merged_tree`), else set by the runtime (the chain, or the
-    proposer's tree)."""
+    """What the round verifies, where the policy proposes it (prompt lookup's chain, greedy
+    ``auto``'s fan merged by :func:`~specforge.serving.tree.merged_tree` with each part's
+    nodes in :attr:`paths`); else the runtime sets the proposer's chain of :attr:`depth` (or
+    its tree)."""
+    fan: Fan | None = None
+    """Greedy ``auto``: what the round weighed, to learn from."""
     paths: list[list[int]] = field(default_factory=list)
-    lookup: bool = False
-    """The chain is prompt lookup's, not the draft's."""
     dormant: bool = False
     """A round the draft sleeps through (:class:`~specforge.serving.adaptive.Dormancy`): the
     target decodes one token alone."""
@@ -220,7 +224,7 @@ class LookupOnly(FixedDepth):
     def plan(self, proposer, context: Context) -> Plan:
         sequence = torch.cat([context.prompt.cpu(), torch.tensor(context.output)])
         tokens = ngram_candidates(sequence, num_tokens=self.num_steps)[: context.room]
-        return Plan(len(tokens), tokens=tokens.to(self.device), lookup=True)
+        return Plan(len(tokens), tree=DraftTree.chain(tokens.to(self.device)))
 
 
 def new_policy(num_steps: int, *, auto: bool, **settings) -> FixedDepth | AutoPolicy:
@@ -313,10 +317,10 @@ class AutoPolicy:
         return {
             **self.costs.as_dict(),
             "final_acceptance_estimate": [round(r, 4) for r in self.estimate.rates()],
-            "acceptance_by_confidence": _by_bin(self.confidence),
+            "acceptance_by_confidence": self.confidence.by_bin(),
             "first_acceptance_by_confidence_with_lookup": {
-                "differs": _by_bin(self.lookup_confidence[False]),
-                "agrees": _by_bin(self.lookup_confidence[True]),
+                "differs": self.lookup_confidence[False].by_bin(),
+                "agrees": self.lookup_confidence[True].by_bin(),
             },
         }
 
@@ -328,9 +332,10 @@ class AutoPolicy:
         return self.dormancy.sleeping()
 
     def plan(self, proposer: EagleProposer, context: Context) -> Plan:
-        """1. This round: greedy, prompt lookup's tokens alone, or the chain drafted token by
-        token (a tree where siblings or lookup's tokens go beside it); sampling, the depth
-        the position estimates choose; none past the context's room, nothing while asleep."""
+        """1. This round: greedy, the parts of the draft's chain (drafted token by token), its
+        siblings and prompt lookup's tokens that promise the most (:meth:`_greedy_plan`), in
+        one tree; sampling, the depth the position estimates choose; none past the context's
+        room, nothing while asleep."""
         if self.lookup is not None:
             room = context.room if context.awake else 0
             self.lookup.propose(context.prompt, context.output, room=room)
@@ -338,20 +343,13 @@ class AutoPolicy:
             return Plan(0, dormant=True)
         if self.sampling:
             return Plan(min(self.estimated_depth(), context.room))
-        if not context.room:
-            return Plan(0, fan=Fan([], [], []))
-        fan = self._greedy_plan(proposer, context.room)
-        if isinstance(fan, int):  # prompt lookup's first tokens promise the most
-            return Plan(fan, tokens=self.lookup.proposal[:fan].to(self.device), lookup=True)
-        if fan.siblings or fan.lookup:
-            tree, paths = merged_tree(fan.chains(), self.device)
-            return Plan(int(tree.depths.max()), fan=fan, tree=tree, paths=paths)
-        chain = torch.tensor(fan.chain, device=self.device) if fan.chain else None
-        return Plan(len(fan.chain), tokens=chain, fan=fan)
+        fan = self._greedy_plan(proposer, context.room) if context.room else Fan([], [], [])
+        tree, paths = merged_tree(fan.chains(), self.device)
+        return Plan(max(tree.depths.tolist(), default=0), fan=fan, tree=tree, paths=paths)
 
     def observe(self, plan: Plan, outcome: Outcome, proposer: EagleProposer, stats) -> None:
         """3. What a round teaches: the verification's cost (a sleeping round's: one token's)
-        and, when the draft drafted, what :meth:`_learn` takes and whether to sleep; prompt
+        and, when the draft was awake, what :meth:`_learn` takes and whether to sleep; prompt
         lookup's estimates from the emitted tokens; the round's other time."""
         if plan.dormant:
             self.costs.observe_verify(1, outcome.seconds)
@@ -365,138 +363,90 @@ class AutoPolicy:
             self.costs.observe_other(outcome.other_seconds)
 
     def _learn(self, plan: Plan, outcome: Outcome, proposer: EagleProposer, stats) -> None:
-        """A drafting round's lesson: its cost; for a fan, the siblings' confidences and the
-        chain's along the accepted path (:meth:`_observe_fan`); for a chain, the positions
-        reached and the draft's confidences (greedy), or the first position's would-be
-        acceptance of a plain sampled round. Lookup's rounds are marked in ``stats``."""
-        if plan.paths:
-            return self._observe_fan(plan, outcome, stats)
+        """A round's lesson: greedy, :meth:`_observe_fan`; sampling, its cost, the positions
+        reached and, for a plain round, the first position's would-be acceptance."""
+        if plan.fan is not None:
+            return self._observe_fan(plan.fan, plan, outcome, stats)
         self.costs.observe_verify(outcome.depth + 1, outcome.seconds)
-        if plan.lookup:
-            stats.lookup_rounds.append(len(stats.accepted_per_round))
-            return
-        fan = plan.fan
-        if fan is not None:
-            self.learn(outcome.depth, outcome.accepted, outcome.bonus, fan.probs, fan.candidate)
-            self.learn_siblings(fan.ranked, outcome.target_logits)
-            return
         self.learn(outcome.depth, outcome.accepted, outcome.bonus, [], None)
-        if not outcome.depth:  # sampling: the first draft token's chance, had it run
+        if not outcome.depth:  # the first draft token's chance, had it run
             target_probs = warp_probs(outcome.target_logits[-1], self.temperature, self.top_p)
             self.estimate.counts.observe(1, proposer.first_acceptance(target_probs))
 
-    def _observe_fan(self, plan: Plan, outcome: Outcome, stats) -> None:
-        """What a fan's round teaches: its cost (a tree's, unless the fan merged into a
-        chain), the siblings' confidences, and the chain's, along the accepted path (the
-        chain's tokens on it, then the target's next); which of them was accepted is marked
-        in ``stats``."""
-        fan, tree, path = plan.fan, plan.tree, outcome.path
-        width = 1 + len(tree.tokens)
-        self.costs.observe_verify(width, outcome.seconds, tree=not tree.is_chain)
+    def _observe_fan(self, fan: Fan, plan: Plan, outcome: Outcome, stats) -> None:
+        """What a greedy round teaches: its cost (a tree's, unless it is a chain), the
+        siblings' confidences, and the chain's along the accepted path (the chain's tokens on
+        it, then the target's next; a chain not verified: its first token against the
+        target's); what was verified and accepted is marked in ``stats``."""
+        tree, path = plan.tree, outcome.path
+        self.costs.observe_verify(1 + len(tree.tokens), outcome.seconds, tree=not tree.is_chain)
         self.learn_siblings(fan.ranked, outcome.target_logits)
         chain, accepted = plan.paths[0], 0  # the chain's tokens on the accepted path
         while accepted < min(len(path), len(chain)) and path[accepted] == chain[accepted]:
             accepted += 1
         # the target's token after them: the path's next, or the bonus where the path ends
         after = int(tree.tokens[path[accepted]]) if accepted < len(path) else outcome.bonus
-        self.learn(len(chain), accepted, after, fan.probs, fan.candidate)
+        self.learn(fan.depth, accepted, after, fan.probs[: fan.depth], fan.next_candidate())
         index = len(stats.accepted_per_round)
         stats.sibling_rounds += bool(fan.siblings)
-        if fan.lookup:
+        if fan.lookups:
             stats.lookup_rounds.append(index)
         if path[:1] in plan.paths[2:]:  # a sibling (one node each), not the chain's first
             stats.sibling_hit_rounds.append(index)
 
-    def _greedy_plan(self, proposer: EagleProposer, room: int) -> int | Fan:
-        """Greedy ``auto``'s proposal for a round: a number of prompt lookup's tokens to verify
-        alone, or a :class:`Fan` (a chain, alone or in a tree with siblings and lookup's
-        tokens). Lookup is weighed first (:meth:`_lookup_first`); when the draft drafts, the
-        chain and its siblings are weighed against and beside lookup (:meth:`_with_lookup`)."""
-        needed = self.max_siblings or self.lookup is not None
-        ranked = proposer.candidates(2 + self.max_siblings) if needed else []
-        first = self._lookup_first(ranked)
-        if first is not None:
-            return first
-        draft_tokens, probs, candidate = self._draft_auto(proposer, min(self.num_steps, room))
-        draft_tokens, probs, candidate, ranked, siblings = self._siblings(
-            ranked, draft_tokens, probs, candidate
-        )
-        chain = [] if draft_tokens is None else draft_tokens.tolist()
-        return self._with_lookup(Fan(chain, probs, ranked, siblings, candidate=candidate))
+    def _greedy_plan(self, proposer: EagleProposer, room: int) -> Fan:
+        """Greedy ``auto``'s round: the draft's chain drafted token by token (:meth:`_walk`),
+        then the parts of it, its siblings and prompt lookup's proposal to verify
+        (:meth:`best_round`). Where lookup proposes, it is weighed first beside the draft's
+        free first token and its siblings: a round of those that promises more than the best
+        chain the draft's first-token confidence and the position estimates beyond promise
+        drafts nothing."""
+        ranked = proposer.candidates(1 + self.max_siblings)
+        (top, top_q), ranked = ranked[0], ranked[1:]
+        lookup, lookup_rates = self._lookup_proposal(top)
+        fan = Fan([top], [top_q], ranked, lookup)
+        if lookup:
+            guess = [self._calibration(1).acceptance(top_q), *self.estimate.rates()[1:]]
+            drafted = max(round_rate(guess[:k], [], self.costs) for k in range(len(guess) + 1))
+            rate, choice = self.best_round(fan, guess[:1], lookup_rates, least_lookup=1)
+            if rate > drafted:
+                return choice
+        tokens, probs, candidate = self._walk(proposer, min(self.num_steps, room))
+        if tokens:  # else the chain is the draft's first token alone, declined by the walk
+            fan.chain, fan.probs, fan.candidate = tokens, probs, candidate
+        return self.best_round(fan, self._calibrated(fan.probs), lookup_rates)[1]
 
-    def _sibling_chains(self, ranked: list[tuple[int, float]]):
-        """Further first-position candidates ``(target id, q)`` as one-token chains with their
-        calibrated acceptance (what :func:`tree_rate` weighs)."""
-        return [([token], [self.sibling_confidence.acceptance(q)]) for token, q in ranked]
+    def best_round(
+        self, fan: Fan, rates: list[float], lookup_rates: list[float], *, least_lookup: int = 0
+    ) -> tuple[float, Fan]:
+        """The parts of ``fan`` to verify with the most expected tokens per second
+        (:func:`tree_rate`; the fewest tokens on a tie): its whole chain (acceptances
+        ``rates``) with its first ``n`` siblings, or no chain; and prompt lookup's first
+        ``m >= least_lookup`` tokens (acceptances ``lookup_rates``), beside the chain only
+        where the target verifies trees. Returns the rate and ``fan`` with its choice."""
+        siblings = [([token], [self.sibling_confidence.acceptance(q)]) for token, q in fan.ranked]
+        shapes = [(0, 0), *((len(fan.chain), n) for n in range(len(siblings) + 1))]
+        best = None
+        for depth, n in shapes:
+            for m in range(least_lookup, len(fan.lookup) + 1):
+                if depth and m and not self.trees:
+                    continue
+                chain = (fan.chain[:depth], rates[:depth])
+                lookup = (fan.lookup[:m], lookup_rates[:m])
+                parts = [part for part in (chain, lookup, *siblings[:n]) if part[0]]
+                rate = tree_rate(parts, depth, self.costs)
+                if best is None or (rate, -depth - m - n) > best[:2]:
+                    best = rate, -depth - m - n, replace(fan, depth=depth, siblings=n, lookups=m)
+        return best[0], best[2]
 
-    def _lookup_first(self, ranked: list[tuple[int, float]]) -> int | Fan | None:
-        """Before any draft step: prompt lookup's proposal, alone (its depth) or as a tree
-        beside the draft's most likely first tokens (free: their logits came with the
-        extension), when that promises more tokens per second than the best chain that the
-        draft's confidence in its first token and the position estimates beyond promise; else
-        ``None``. Such a round drafts nothing (it pays its verification and the round's other
-        time only); when the draft is drafted, :meth:`_with_lookup` weighs lookup again."""
+    def _lookup_proposal(self, top: int) -> tuple[list[int], list[float]]:
+        """Prompt lookup's proposal this round, noted against the draft's first choice
+        ``top``, and its acceptance estimates (none: no ``lookup_tokens``, or no proposal)."""
         if self.lookup is None or self.lookup.proposal is None:
-            return None
-        (top, top_q), further = ranked[0], ranked[1 : 1 + self.max_siblings]
+            return [], []
         self.lookup.compare(top)
-        rates, depth = self._lookup_plan()
-        if not depth:
-            return None
-        guess = [self._calibration(1).acceptance(top_q), *self.estimate.rates()[1:]]
-        drafted = max(round_rate(guess[:k], [], self.costs) for k in range(len(guess) + 1))
-        best, choice = round_rate(rates[:depth], [], self.costs, drafted=False), depth
-        if self.trees:
-            firsts = [([top], guess[:1]), *self._sibling_chains(further)]
-            rate, tokens, count = self._lookup_tree([], firsts, 0, rates, least=1)
-            if rate > best:
-                best, choice = rate, Fan([top], [top_q], further, count - 1, tokens)
-        return choice if best > drafted else None
-
-    def _with_lookup(self, fan: Fan) -> int | Fan:
-        """After drafting: ``fan`` as drafted, prompt lookup's tokens alone (their count) in
-        its place, or both in one tree (the siblings chosen again beside them): whichever
-        promises the most tokens per second under the draft's calibrated confidence and the
-        lookup estimates (``fan`` without ``lookup_tokens`` or a proposal)."""
-        rates, depth = self._lookup_plan()
-        if not depth:
-            return fan
-        drafted = [(fan.chain, self._calibrated(fan.probs))]
-        others = self._sibling_chains(fan.ranked)
-        steps = len(fan.chain)
-        best = tree_rate(drafted + others[: fan.siblings], steps, self.costs)
-        choice: int | Fan = fan
-        alone = round_rate(rates[:depth], [], self.costs, drafted=False)
-        if alone > best:
-            best, choice = alone, depth
-        if self.trees and fan.chain:
-            rate, tokens, count = self._lookup_tree(drafted, others, steps, rates, least=0)
-            if rate > best:
-                choice = replace(fan, siblings=count, lookup=tokens)
-        return choice
-
-    def _lookup_tree(self, chains, others, steps: int, rates: list[float], *, least: int):
-        """The best tree of ``chains`` (``(tokens, acceptances)`` pairs, ``steps`` of them
-        drafted), prompt lookup's first ``m >= 1`` tokens and the first ``n >= least`` of
-        ``others``: its expected tokens per second (:func:`tree_rate`), those tokens and
-        ``n`` (the fewer on a tie)."""
         proposal = self.lookup.proposal.tolist()
-        options = [(m, n) for m in range(1, len(rates) + 1) for n in range(least, len(others) + 1)]
-        rated = [
-            (tree_rate([*chains, (proposal[:m], rates[:m]), *others[:n]], steps, self.costs), m, n)
-            for m, n in options
-        ]
-        rate, m, n = max(rated, key=lambda option: (option[0], -option[1], -option[2]))
-        return rate, proposal[:m], n
-
-    def _lookup_plan(self) -> tuple[list[float], int]:
-        """Prompt lookup's acceptance estimates for this round's proposal and the depth with
-        the most expected tokens per second under them (0: no ``lookup_tokens``, no proposal,
-        or no depth pays)."""
-        if self.lookup is None or self.lookup.proposal is None:
-            return [], 0
-        rates = self.lookup.estimate.rates()[: len(self.lookup.proposal)]
-        return rates, best_depth(rates, self.costs, drafted=False)
+        return proposal, self.lookup.estimate.rates()[: len(proposal)]
 
     def learn_siblings(self, ranked: list[tuple[int, float]], target_logits: torch.Tensor):
         """Every further candidate of the first position ``(target id, q)`` learns from the
@@ -506,15 +456,16 @@ class AutoPolicy:
             for token, q in ranked:
                 self.sibling_confidence.observe(q, token == first)
 
-    def _draft_auto(self, proposer: EagleProposer, deepest: int):
+    def _walk(self, proposer: EagleProposer, deepest: int):
         """Greedy ``auto`` drafting, token by token: a token is drafted while the best depth,
         under the calibrated acceptance of the tokens so far (this one's included) and the
         position estimates beyond, is deeper than what is drafted; a draft step is taken only
-        while a deeper depth still pays. Returns the tokens (K,) or ``None``, the draft's
+        while a deeper depth still pays. Returns the tokens (target ids), the draft's
         probability of each, and the declined candidate ``(token, q)`` (``None`` if there was
         none: depth reached or no step taken)."""
-        walk = proposer.walk()
+        walk = proposer.walk(confidence=True)
         token, q = next(walk)
+        q = float(q)
         rates = self.estimate.rates()
         tokens, probs, known = [], [], []
         while True:
@@ -522,42 +473,16 @@ class AutoPolicy:
             guess = [*known, self._calibration(depth + 1).acceptance(q), *rates[depth + 1 :]]
             if best_depth(guess, self.costs) <= depth:
                 walk.close()
-                # K x (1,) -> (K,)
-                return (torch.cat(tokens) if tokens else None), probs, (int(token), q)
-            tokens.append(token)
+                return tokens, probs, (int(token), q)
+            tokens.append(int(token))
             probs.append(q)
             known.append(guess[depth])
             depth += 1
             if depth == deepest or best_depth([*known, *rates[depth:]], self.costs) <= depth:
                 walk.close()
-                return torch.cat(tokens), probs, None
+                return tokens, probs, None
             token, q = walk.send(True)
-
-    def _siblings(self, candidates, tokens, probs: list[float], candidate):
-        """Greedy ``auto``: the first position's next most likely draft tokens (of
-        ``candidates``, :meth:`EagleProposer.candidates`) and how many of them to verify beside the
-        chain (:func:`best_siblings`); a plain round becomes a depth-1 round when its first
-        token and siblings together pay. Returns the chain's tokens, probabilities and declined
-        candidate (updated when a plain round drafts), the ranked further candidates
-        ``(target id, q)`` and how many of them to verify."""
-        if not self.max_siblings:
-            return tokens, probs, candidate, [], 0
-        # the chain's own first token is not a sibling
-        first = int(tokens[0]) if tokens is not None else None
-        ranked = [(token, value) for token, value in candidates if token != first]
-        if first is None:  # a plain round, unless the most likely token and its siblings pay
-            (top, top_q), ranked = ranked[0], ranked[1 : 1 + self.max_siblings]
-            chain = [self._calibration(1).acceptance(top_q)]
-            rates = [self.sibling_confidence.acceptance(value) for _, value in ranked]
-            count = best_siblings(rates, chain, self.costs)
-            plain = round_rate([], [], self.costs)
-            if not count or round_rate(chain, rates[:count], self.costs) <= plain:
-                return tokens, probs, candidate, ranked, 0
-            return torch.tensor([top], device=self.device), [top_q], None, ranked, count
-        ranked = ranked[: self.max_siblings]
-        chain = self._calibrated(probs)
-        rates = [self.sibling_confidence.acceptance(value) for _, value in ranked]
-        return tokens, probs, candidate, ranked, best_siblings(rates, chain, self.costs)
+            q = float(q)
 
     def estimated_depth(self) -> int:
         """The depth the per-position estimates alone choose (``auto``): 0 when drafting does
@@ -585,11 +510,3 @@ class AutoPolicy:
     def _calibrated(self, probs: list[float]) -> list[float]:
         """The calibrated acceptance of a chain whose tokens the draft gave ``probs``."""
         return [self._calibration(k).acceptance(q) for k, q in enumerate(probs, start=1)]
-
-
-def _by_bin(calibration: ConfidenceCalibration) -> list[float]:
-    """The acceptance a confidence calibration measured at the centre of each of its bins."""
-    return [
-        round(calibration.acceptance((b + 0.5) / calibration.bins), 3)
-        for b in range(calibration.bins)
-    ]

@@ -42,7 +42,7 @@ from specforge.serving.policy import (
     new_policy,
 )
 from specforge.serving.proposers import eagle_proposer
-from specforge.serving.proposers.lookup import NoDraft
+from specforge.serving.proposers.base import Proposer
 from specforge.serving.sampling import accept_sampling, sample
 from specforge.serving.stats import SpecStats
 from specforge.serving.tree import DraftTree, accept_greedy
@@ -152,7 +152,7 @@ class SpeculativeDecoder:
             engine.model,
             None,
             aux_layer_ids=engine.aux_layer_ids,
-            proposer=NoDraft,
+            proposer=lambda draft_model, **_: Proposer(),
             num_steps=num_tokens,
             engine=engine,
         )
@@ -238,22 +238,16 @@ class SpeculativeDecoder:
         context's room (none at all while the draft sleeps); timed as drafting."""
         start = self._clock()
         plan = self.policy.plan(self.proposer, context)
-        if plan.tree is None and self.topk > 1 and plan.depth:
+        if plan.tree is None and not plan.depth:
+            plan.tree = DraftTree.chain(torch.empty(0, dtype=torch.long, device=self.device))
+        elif plan.tree is None and self.topk > 1:
             shape = {"topk": self.topk, "num_draft_tokens": self.num_draft_tokens}
             plan.tree = self.proposer.tree(num_steps=self.num_steps, **shape).within(plan.depth)
         elif plan.tree is None:
-            if plan.depth and plan.tokens is None:
-                plan.tokens, plan.dists = self.proposer.chain(plan.depth)
-            plan.tree = DraftTree.chain(self._tokens(plan.tokens), plan.dists)
+            plan.tree = DraftTree.chain(*self.proposer.chain(plan.depth))
         if not plan.dormant:
             stats.draft_seconds += self._clock() - start
         return plan
-
-    def _tokens(self, tokens: torch.Tensor | None) -> torch.Tensor:
-        """A chain's tokens, or none (a plain round)."""
-        if tokens is None:
-            return torch.empty(0, dtype=torch.long, device=self.device)
-        return tokens
 
     def _verified(self, plan: Plan, next_token: int, length: int, target_cache, stats):
         """2. and 3. The target verifies the plan's proposal after ``next_token``, the one

@@ -6,7 +6,7 @@ report it (docs/design.md, accept length)."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -82,18 +82,14 @@ class SpecStats:
         return dict(sorted(Counter(self.depth_per_round).items()))
 
     def merge(self, other: SpecStats) -> None:
+        """Add ``other``'s counters to these: counts and seconds summed, rounds appended (the
+        round indices shifted past these rounds)."""
         offset = len(self.accepted_per_round)
-        self.sibling_hit_rounds.extend(offset + index for index in other.sibling_hit_rounds)
-        self.lookup_rounds.extend(offset + index for index in other.lookup_rounds)
-        self.verifications += other.verifications
-        self.emitted += other.emitted
-        self.accepted_per_round.extend(other.accepted_per_round)
-        self.depth_per_round.extend(other.depth_per_round)
-        self.seconds += other.seconds
-        self.draft_seconds += other.draft_seconds
-        self.verify_seconds += other.verify_seconds
-        self.extend_seconds += other.extend_seconds
-        self.prefill_seconds += other.prefill_seconds
-        self.target_prefill_seconds += other.target_prefill_seconds
-        self.dormant_rounds += other.dormant_rounds
-        self.sibling_rounds += other.sibling_rounds
+        for name in (f.name for f in fields(self) if f.name != "num_steps"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if name.endswith("_per_round"):
+                mine.extend(theirs)
+            elif isinstance(mine, list):  # round indices
+                mine.extend(offset + index for index in theirs)
+            else:
+                setattr(self, name, mine + theirs)

@@ -11,13 +11,13 @@ from specforge.serving.adaptive import (
     CostModel,
     Dormancy,
     best_depth,
-    best_siblings,
     calibrate,
     expected_tokens,
     first_acceptance,
     round_rate,
     tree_rate,
 )
+from specforge.serving.policy import Fan, new_policy
 from specforge.serving.proposers.lookup import PromptLookup
 from specforge.serving.sampling import accept_sampling
 from specforge.serving.speculative import SpeculativeDecoder
@@ -31,6 +31,17 @@ from tests.serving.test_speculative import VOCAB, target  # noqa: F401
 CPU_COSTS = CostModel(
     verify=[0.036, 0.040, 0.042, 0.056, 0.058, 0.060, 0.062, 0.064], draft_step=0.0015
 )
+
+
+GREEDY_AUTO = {
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "max_siblings": 3,
+    "lookup_tokens": 0,
+    "trees": True,
+    "device": torch.device("cpu"),
+}
+"""Greedy ``auto``'s policy settings for a CPU target that verifies trees."""
 
 
 class FixedCosts(CostModel):
@@ -289,12 +300,22 @@ def test_auto_refuses_trees(target):  # noqa: F811
 
 def test_siblings_are_verified_where_a_wider_verification_costs_little_and_not_where_it_costs():
     flat = CostModel(verify=[0.036] * 8, draft_step=0.0015)
-    steep = CostModel(verify=[0.036 * n for n in range(1, 9)], draft_step=0.0015)
-    candidates = [0.2, 0.1, 0.05]
-    assert best_siblings(candidates, [0.4], flat) == 3
-    assert best_siblings(candidates, [0.4], steep) == 0
-    assert best_siblings(candidates, [0.4] * 7, flat) == 0  # no wider width calibrated
-    assert best_siblings(candidates, [0.4] * 6, flat) == 1
+    steep = CostModel(verify=[0.016 + 0.02 * n for n in range(1, 9)], draft_step=0.0015)
+    policy = new_policy(7, auto=True, **GREEDY_AUTO)
+    # siblings whose calibrated acceptance is their q (the prior, nothing learnt yet)
+    ranked = [(11, 0.2), (12, 0.1), (13, 0.05)]
+
+    def siblings(costs: CostModel, depth: int) -> int:
+        policy.costs = costs
+        fan = Fan(list(range(1, depth + 1)), [0.9] * depth, ranked)
+        _, chosen = policy.best_round(fan, [0.9] * depth, [])
+        assert chosen.depth == depth  # the chain is verified: it pays
+        return chosen.siblings
+
+    assert siblings(flat, 1) == 3
+    assert siblings(steep, 1) == 0
+    assert siblings(flat, 7) == 0  # no wider width calibrated
+    assert siblings(flat, 6) == 1
     # the first position's candidates are exclusive: each adds its own acceptance
     assert round_rate([0.4], [0.2, 0.1], flat) == pytest.approx((1 + 0.4 + 0.3) / (0.036 + 0.0))
     assert round_rate([], [], steep) == pytest.approx(1 / 0.036)

@@ -124,6 +124,22 @@ def test_acceptance_statistics():
     assert stats.depth_histogram == {0: 1, 1: 1, 2: 1, 3: 1}
 
 
+def test_merged_statistics_add_counts_and_times_and_keep_round_indices_apart():
+    from specforge.serving.stats import SpecStats
+
+    first = SpecStats(num_steps=3, verifications=2, emitted=5, accepted_per_round=[3, 0])
+    first.depth_per_round, first.lookup_rounds, first.seconds = [3, 1], [1], 0.5
+    second = SpecStats(num_steps=3, verifications=3, emitted=4, accepted_per_round=[1, 0, 0])
+    second.depth_per_round, second.sibling_hit_rounds = [1, 1, 0], [0, 2]
+    second.seconds, second.dormant_rounds = 0.25, 1
+    first.merge(second)
+    assert (first.verifications, first.emitted, first.seconds) == (5, 9, 0.75)
+    assert first.accepted_per_round == [3, 0, 1, 0, 0]
+    assert first.depth_per_round == [3, 1, 1, 1, 0]
+    assert first.lookup_rounds == [1] and first.sibling_hit_rounds == [2, 4]
+    assert first.dormant_rounds == 1 and first.num_steps == 3
+
+
 @pytest.mark.parametrize(
     ("topk", "num_steps", "num_draft_tokens"), [(2, 3, 6), (3, 4, 12), (4, 2, 9)]
 )

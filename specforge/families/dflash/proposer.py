@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specforge.engine.generation import warp_probs
 from specforge.families.dflash.model import DFlashCache, DFlashDraftModel
+from specforge.serving.proposers.base import Proposer
 
 
 @dataclass
@@ -30,26 +30,21 @@ class BlockState:
     """The last accepted token (slot 0 of the next block)."""
 
 
-class DFlashProposer:
+class DFlashProposer(Proposer):
     """Drafts a block a round with a DFlash draft (see the module docstring).
 
     Args:
         draft_model: the draft, in any dtype: its logits are read in float32.
-        temperature, top_p: sampling (``temperature > 0``), as :class:`EagleProposer`'s.
+        temperature, top_p: sampling (:class:`~specforge.serving.proposers.base.Proposer`).
     """
 
+    draft_model: DFlashDraftModel
+    state: BlockState | None
+
     def __init__(self, draft_model: DFlashDraftModel, *, temperature: float = 0.0, top_p=1.0):
-        self.draft_model = draft_model
+        super().__init__(draft_model, temperature=temperature, top_p=top_p)
         self.depth = draft_model.config.block_size - 1
         """The most tokens a block proposes."""
-        self.engine = None
-        self.temperature, self.top_p = temperature, top_p
-        self.generator: torch.Generator | None = None
-        self.state: BlockState | None = None
-
-    @property
-    def sampling(self) -> bool:
-        return self.temperature > 0
 
     def start(self, tokens: torch.Tensor, aux: torch.Tensor, capacity: int) -> None:
         """A new sequence: the prompt's target states ``aux`` (1, T, F) as context; the last of
@@ -65,10 +60,6 @@ class DFlashProposer:
         state.context = torch.cat([state.context, aux], 1)
         state.anchor = tokens[-1]
 
-    def catch_up(self) -> bool:
-        """Nothing to do ahead of a round: the block's forward takes in the new context."""
-        return False
-
     @torch.no_grad()
     def chain(self, steps: int):
         """The first ``steps`` tokens of this round's block (target ids) and, when sampling,
@@ -77,7 +68,4 @@ class DFlashProposer:
         anchor = torch.tensor([state.anchor], device=state.context.device)
         logits = self.draft_model(state.context, anchor, cache=state.cache)[0, :steps].float()
         state.context = state.context[:, :0]  # cached now
-        if not self.sampling:
-            return logits.argmax(-1), None
-        q = warp_probs(logits, self.temperature, self.top_p)
-        return torch.multinomial(q, 1, generator=self.generator)[:, 0], q
+        return self.draw(logits)

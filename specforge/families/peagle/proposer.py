@@ -23,16 +23,13 @@ class PEagleProposer(EagleProposer):
         """Propose ``steps`` target ids from the state after the last accepted token. Returns
         the tokens (K,) and, when sampling, their draft distributions (K, V)."""
         state = self.state
-        rows = [state.logits]
+        logits = state.logits[None]
         if steps > 1:
             # 1. the mask positions length .. length + K - 2 after the context, one forward
             ids, hidden = self.draft_model.mask_inputs((1, steps - 1))
             positions = torch.arange(state.length, state.length + steps - 1, device=ids.device)
-            logits, _ = self.draft_model(ids, hidden, positions[None], cache=state.cache)
+            more, _ = self.draft_model(ids, hidden, positions[None], cache=state.cache)
             crop_cache(state.cache, state.length)
-            # (1, K - 1, Vd) -> K - 1 rows, float32 whatever the draft's dtype
-            rows += list(logits[0].float())
-        # 2. each position's token (and distribution, when sampling) on its own
-        drawn = [self.token(row) for row in rows]
-        tokens = torch.cat([token for token, _ in drawn])
-        return tokens, (torch.stack([dist for _, dist in drawn]) if self.sampling else None)
+            # (K, Vd), float32 whatever the draft's dtype
+            logits = torch.cat([logits, more[0].float()])
+        return self.tokens(logits)  # 2. each position's token (and distribution) on its own

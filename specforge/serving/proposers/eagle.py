@@ -20,6 +20,7 @@ from specforge.engine.draft import DraftEngine
 from specforge.engine.generation import warp_probs
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
 from specforge.serving.adaptive import first_acceptance
+from specforge.serving.proposers.base import Proposer
 from specforge.serving.tree import build_tree
 
 
@@ -44,7 +45,7 @@ def _check_slot(cache: SlotKVCache, position: int) -> None:
         raise RuntimeError(f"draft position {position} is not the draft cache's next slot")
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     """Drafts with an EAGLE-3 draft model (see the module docstring).
 
     Args:
@@ -52,9 +53,11 @@ class EagleProposer:
         depth: the deepest chain a round drafts (a cache holds room for it).
         engine: runs a chain's draft forwards (:class:`~specforge.engine.draft.DraftEngine`),
             or ``None``: the model's own forward with a growing cache.
-        temperature, top_p: sampling (``temperature > 0``): each draft token is drawn from the
-            draft's warped distribution, which is returned beside it for verification.
+        temperature, top_p: sampling (:class:`~specforge.serving.proposers.base.Proposer`).
     """
+
+    draft_model: Eagle3DraftModel
+    state: DraftState | None
 
     def __init__(
         self,
@@ -65,14 +68,8 @@ class EagleProposer:
         temperature: float = 0.0,
         top_p: float = 1.0,
     ):
-        self.draft_model, self.engine, self.depth = draft_model, engine, depth
-        self.temperature, self.top_p = temperature, top_p
-        self.generator: torch.Generator | None = None
-        self.state: DraftState | None = None
-
-    @property
-    def sampling(self) -> bool:
-        return self.temperature > 0
+        super().__init__(draft_model, temperature=temperature, top_p=top_p)
+        self.engine, self.depth = engine, depth
 
     # -- forwards ------------------------------------------------------------------------------
 
@@ -124,49 +121,44 @@ class EagleProposer:
 
     # -- proposals -----------------------------------------------------------------------------
 
-    def token(self, logits: torch.Tensor):
-        """The next draft token (target id) and, when sampling, the draft distribution it was
-        drawn from on the target vocabulary."""
-        if not self.sampling:
-            return self.draft_model.to_target_ids(logits.argmax(-1, keepdim=True)), None
-        q = warp_probs(logits, self.temperature, self.top_p)
-        draft_id = torch.multinomial(q, 1, generator=self.generator)
-        vocab_size = self.draft_model.t2d.numel()
-        hot_ids = self.draft_model.hot_ids
-        q_target = torch.zeros(vocab_size, device=q.device).index_copy(0, hot_ids, q)
-        return self.draft_model.to_target_ids(draft_id), q_target
+    def tokens(self, logits: torch.Tensor, *, confidence: bool = False):
+        """Draft tokens from ``logits`` (K, Vd), one a row, as target ids (K,): greedy, the
+        most likely and, with ``confidence``, their probabilities (K,) (else ``None``);
+        sampling, drawn (:meth:`draw`) with their distributions on the target vocabulary
+        (K, V)."""
+        if confidence and not self.sampling:
+            q, draft_ids = logits.float().softmax(-1).max(-1)
+            return self.draft_model.to_target_ids(draft_ids), q
+        draft_ids, q = self.draw(logits)
+        if q is not None:  # onto the target vocabulary
+            vocab_size, hot_ids = self.draft_model.t2d.numel(), self.draft_model.hot_ids
+            q = q.new_zeros(len(q), vocab_size).index_copy(1, hot_ids, q)
+        return self.draft_model.to_target_ids(draft_ids), q
 
     @torch.no_grad()
     def chain(self, steps: int):
         """Propose ``steps`` target ids as a chain from the state after the last accepted
-        token. Returns the tokens (K,) and, when sampling, their draft distributions (K, V)."""
-        state = self.state
-        logits, hidden, position = state.logits, state.hidden, state.length - 1
-        tokens, dists = [], []
-        for k in range(steps):
-            token, dist = self.token(logits)
-            tokens.append(token)
-            dists.append(dist)
-            if k == steps - 1:
-                break
-            logits, hidden = self.step(token, hidden, position + 1 + k, state.cache)
-        return torch.cat(tokens), (torch.stack(dists) if self.sampling else None)
+        token (:meth:`walk`). Returns the tokens (K,) and, when sampling, their draft
+        distributions (K, V)."""
+        walk = self.walk()
+        drawn = [next(walk), *(walk.send(True) for _ in range(steps - 1))]
+        walk.close()
+        tokens = torch.cat([token for token, _ in drawn])
+        return tokens, (torch.cat([dist for _, dist in drawn]) if self.sampling else None)
 
-    def walk(self):
-        """Greedy stepping (``auto`` drafts token by token): a generator that yields the
-        draft's most likely next token (target id, (1,)) and its probability, position by
-        position from the state after the last accepted token; ``send(True)`` takes a draft
-        step with the token it yielded, closing it ends the walk."""
+    def walk(self, *, confidence: bool = False):
+        """Drafting step by step (a chain; greedy ``auto`` token by token): a generator that
+        yields the draft's next token (1,) and its probability or distribution (:meth:`tokens`),
+        position by position from the state after the last accepted token; ``send(True)``
+        takes a draft step with the token it yielded, closing it ends the walk."""
         state = self.state
         logits, hidden, position = state.logits, state.hidden, state.length - 1
-        depth = 0
         while True:
-            q, draft_id = logits.float().softmax(-1).max(-1)
-            token = self.draft_model.to_target_ids(draft_id[None])
-            if not (yield token, float(q)):
+            token, q = self.tokens(logits[None], confidence=confidence)
+            if not (yield token, q):
                 return
-            depth += 1
-            logits, hidden = self.step(token, hidden, position + depth, state.cache)
+            position += 1
+            logits, hidden = self.step(token, hidden, position, state.cache)
 
     def first_acceptance(self, target_probs: torch.Tensor) -> float:
         """The chance that sampling verification accepts the draft's next token, drawn as

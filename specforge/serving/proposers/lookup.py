@@ -1,9 +1,7 @@
 """Prompt lookup as greedy ``auto``'s second proposer: the tokens that followed the earlier
 occurrence of the last token whose context matches the conversation's for longest
 (:func:`~specforge.engine.prompt_lookup.longest_match`), and what their acceptance has been,
-by match length and by whether they start with the draft's own first choice. And the
-proposer of the prompt-lookup baseline, which has no draft (:class:`NoDraft`: its policy,
-:class:`~specforge.serving.policy.LookupOnly`, proposes every round's tokens)."""
+by match length and by whether they start with the draft's own first choice."""
 
 from __future__ import annotations
 
@@ -86,23 +84,3 @@ class PromptLookup:
             while matched < reached and int(self.proposal[matched]) == emitted[matched]:
                 matched += 1
             self.estimate.observe(reached, matched)
-
-
-class NoDraft:
-    """The proposer of a runtime without a draft (the prompt-lookup baseline): every verb of
-    the proposer protocol does nothing, the policy's plan holds each round's tokens."""
-
-    draft_model = None
-    engine = None
-
-    def __init__(self, *_, **__):
-        pass
-
-    def start(self, tokens: torch.Tensor, aux: torch.Tensor, capacity: int) -> None:
-        pass
-
-    def accepted(self, tokens: list[int], aux: torch.Tensor) -> None:
-        pass
-
-    def catch_up(self) -> bool:
-        return False
