@@ -210,7 +210,7 @@ def run(args) -> None:
     for _ in range(warm_up_turns):
         run_turn(first_ids, *tallies_of_a_run())  # untimed: its tallies are dropped
     # each auto setting calibrates its own draft (a draft step's cost depends on its dtype)
-    calibration = {s: d.policy.report() for s, d in decoders.items() if d.auto}
+    calibration = {s: d.policy.report() for s, d in decoders.items() if d.drafting.auto}
     baseline, tallies = tallies_of_a_run()  # baseline: the target alone
     progress = tqdm(total=sum(len(q.turns) for q in questions), desc="adaptive", unit="turn")
     timed = profiled(torch.device(device)) if args.profile else contextlib.nullcontext()

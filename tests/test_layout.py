@@ -182,7 +182,7 @@ included) is read function by function: none is longer than this, docstring incl
 
 def runtime_files() -> list[Path]:
     serving = PACKAGE / "serving"
-    names = ("speculative.py", "policy.py", "verifier.py", "stats.py")
+    names = ("speculative.py", "drafting.py", "policy.py", "verifier.py", "stats.py")
     return [
         *(serving / name for name in names),
         *sorted((serving / "proposers").glob("*.py")),

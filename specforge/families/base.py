@@ -105,9 +105,10 @@ class DraftFamily:
     draft_config: Callable[[Path], Any]
     """``draft_config(export_dir)``: the export's draft config (its depth bounds)."""
     proposer: Callable[..., Any]
-    """``proposer(draft_model, *, num_steps, topk, auto, engine, draft_engine, temperature,
-    top_p)``: a proposer for the runtime (:mod:`specforge.serving.proposers`), or a UserError
-    naming the setting the family cannot run."""
+    """``proposer(draft_model, drafting, *, engine, draft_engine)``: a proposer for the
+    runtime (:mod:`specforge.serving.proposers`) under its settings
+    (:class:`~specforge.serving.drafting.Drafting`), or a UserError naming the setting the
+    family cannot run."""
     capabilities: Capabilities
     engines: EngineMethods
     load_trainable: Callable[..., tuple[Any, Any]] | None = None
@@ -119,17 +120,18 @@ class DraftFamily:
     """The family whose export layout this one's extends (its exports are recognised first)."""
 
 
-def check_one_forward(what: str, deepest: int, *, num_steps: int, topk: int, auto: bool) -> None:
-    """Refuse drafting settings a one-forward proposer cannot run (:meth:`Capabilities.
-    one_forward`): ``what`` says what the draft proposes a round.
+def check_one_forward(what: str, deepest: int, drafting) -> None:
+    """Refuse ``drafting`` settings (:class:`~specforge.serving.drafting.Drafting`) a
+    one-forward proposer cannot run (:meth:`Capabilities.one_forward`): ``what`` says what the
+    draft proposes a round.
 
     Raises:
         UserError: ``auto``, a tree, or a chain deeper than ``deepest``.
     """
-    if auto or topk != 1 or num_steps > deepest:
-        depth = "auto" if auto else num_steps
+    if drafting.auto or drafting.topk != 1 or drafting.num_steps > deepest:
         raise UserError(
-            f"{what}: num_steps 1..{deepest} and topk 1 (got num_steps {depth}, topk {topk})"
+            f"{what}: num_steps 1..{deepest} and topk 1 (got num_steps {drafting.num_steps}, "
+            f"topk {drafting.topk})"
         )
 
 

@@ -15,10 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specforge.config import AUTO_MAX_DEPTH
-from specforge.engine.generation import warp_probs
 from specforge.engine.prompt_lookup import ngram_candidates
-from specforge.errors import UserError
 from specforge.serving.adaptive import (
     AcceptanceEstimate,
     ConfidenceCalibration,
@@ -28,56 +25,10 @@ from specforge.serving.adaptive import (
     round_rate,
     tree_rate,
 )
+from specforge.serving.drafting import Drafting
 from specforge.serving.proposers.eagle import EagleProposer
 from specforge.serving.proposers.lookup import PromptLookup
 from specforge.serving.tree import DraftTree, merged_tree
-
-AUTO_MAX_SIBLINGS = 3
-"""Greedy ``auto``'s default for the most further candidates of the first draft position
-verified beside the chain (a fan of up to 4 there), within the verification widths
-calibrated."""
-
-
-def checked_depth(num_steps, topk: int, num_draft_tokens: int | None, max_siblings: int) -> int:
-    """The draft depth the runtime works with (``auto``: :data:`AUTO_MAX_DEPTH`), after
-    checking the drafting settings.
-
-    Raises:
-        UserError: a setting out of range, or settings that do not go together.
-    """
-    if num_steps == "auto":
-        if topk != 1:
-            raise UserError(f"num_steps auto drafts chains only (topk 1), got topk={topk}")
-        num_steps = AUTO_MAX_DEPTH
-    if not isinstance(num_steps, int):
-        raise UserError(f"num_steps must be an integer or 'auto', got {num_steps!r}")
-    if num_steps < 1 or topk < 1:
-        raise UserError(f"num_steps and topk must be >= 1, got {num_steps}, {topk}")
-    if not 0 <= max_siblings <= AUTO_MAX_DEPTH:
-        raise UserError(f"max_siblings must be in 0..{AUTO_MAX_DEPTH}, got {max_siblings}")
-    _check_tree_size(topk, num_steps, num_draft_tokens)
-    return num_steps
-
-
-def check_decoding(temperature: float, top_p: float, lookup_tokens: int, *, auto: bool) -> None:
-    """Refuse sampling settings out of range, and prompt lookup beside a fixed depth or
-    sampling (:class:`PromptLookup` competes with greedy ``auto``'s draft only)."""
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise UserError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-    if lookup_tokens < 0 or (lookup_tokens and (not auto or temperature > 0)):
-        raise UserError(
-            f"lookup_tokens needs num_steps auto and greedy decoding, got {lookup_tokens}"
-        )
-
-
-def _check_tree_size(topk: int, num_steps: int, num_draft_tokens: int | None) -> None:
-    """A tree (``topk > 1``) needs a size between 2 and the most its levels hold."""
-    largest = 1 + topk + (num_steps - 1) * topk * topk
-    if topk > 1 and not (num_draft_tokens and 2 <= num_draft_tokens <= largest):
-        raise UserError(
-            f"tree drafting needs 2 <= num_draft_tokens <= {largest} for topk={topk}, "
-            f"num_steps={num_steps}; got {num_draft_tokens}"
-        )
 
 
 @dataclass
@@ -227,49 +178,23 @@ class LookupOnly(FixedDepth):
         return Plan(len(tokens), tree=DraftTree.chain(tokens.to(self.device)))
 
 
-def new_policy(num_steps: int, *, auto: bool, **settings) -> FixedDepth | AutoPolicy:
+def new_policy(drafting: Drafting, **settings) -> FixedDepth | AutoPolicy:
     """The policy a runtime plans its rounds with: :class:`AutoPolicy` for ``auto`` (its
-    ``settings``: :class:`AutoPolicy`'s keyword arguments), else :class:`FixedDepth`.
-
-    Raises:
-        UserError: sampling settings out of range, or prompt lookup where it cannot compete
-            (:func:`check_decoding`).
-    """
-    check_decoding(settings["temperature"], settings["top_p"], settings["lookup_tokens"], auto=auto)
-    return AutoPolicy(num_steps, **settings) if auto else FixedDepth(num_steps)
+    ``settings``: :class:`AutoPolicy`'s keyword arguments), else :class:`FixedDepth`."""
+    return AutoPolicy(drafting, **settings) if drafting.auto else FixedDepth(drafting.depth)
 
 
 class AutoPolicy:
-    """``num_steps: auto`` (see the module docstring).
+    """``num_steps: auto`` (see the module docstring) under ``drafting``'s settings; ``trees``:
+    whether the target can verify a tree (else no siblings)."""
 
-    Args:
-        max_depth: the deepest chain.
-        temperature, top_p: the decoding's sampling (greedy at 0).
-        max_siblings: greedy: at most this many further first-position candidates verified
-            beside the chain (0 where the target cannot verify a tree).
-        lookup_tokens: greedy: prompt lookup's up to this many tokens compete with the draft.
-        trees: whether the target can verify a tree.
-    """
-
-    def __init__(
-        self,
-        max_depth: int,
-        *,
-        temperature: float,
-        top_p: float,
-        max_siblings: int,
-        lookup_tokens: int,
-        trees: bool,
-        device: torch.device,
-    ):
-        self.num_steps = max_depth
-        self.temperature, self.top_p, self.device = temperature, top_p, device
-        self.trees = trees
-        self.max_siblings = max_siblings if trees else 0
+    def __init__(self, drafting: Drafting, *, trees: bool, device: torch.device):
+        self.drafting, self.num_steps, self.device = drafting, drafting.depth, device
+        self.trees, self.max_siblings = trees, drafting.max_siblings if trees else 0
         self.costs: CostModel | None = None
         """This device's round costs (measured by the runtime's ``calibrate``): the machine's,
         so they carry from request to request."""
-        self.lookup = PromptLookup(lookup_tokens) if lookup_tokens else None
+        self.lookup = PromptLookup(drafting.lookup_tokens) if drafting.lookup_tokens else None
         """Prompt lookup competing with the draft (``lookup_tokens``)."""
         self.begin_request()
 
@@ -289,10 +214,6 @@ class AutoPolicy:
         if self.lookup is not None:
             self.lookup.reset()
         self.dormancy = Dormancy()
-
-    @property
-    def sampling(self) -> bool:
-        return self.temperature > 0
 
     # -- what the runtime asks and tells (the policy protocol; FixedDepth's do nothing) ------
 
@@ -341,7 +262,7 @@ class AutoPolicy:
             self.lookup.propose(context.prompt, context.output, room=room)
         if not context.awake:
             return Plan(0, dormant=True)
-        if self.sampling:
+        if self.drafting.sampling:
             return Plan(min(self.estimated_depth(), context.room))
         fan = self._greedy_plan(proposer, context.room) if context.room else Fan([], [], [])
         tree, paths = merged_tree(fan.chains(), self.device)
@@ -370,7 +291,7 @@ class AutoPolicy:
         self.costs.observe_verify(outcome.depth + 1, outcome.seconds)
         self.learn(outcome.depth, outcome.accepted, outcome.bonus, [], None)
         if not outcome.depth:  # the first draft token's chance, had it run
-            target_probs = warp_probs(outcome.target_logits[-1], self.temperature, self.top_p)
+            target_probs = self.drafting.warp(outcome.target_logits[-1])
             self.estimate.counts.observe(1, proposer.first_acceptance(target_probs))
 
     def _observe_fan(self, fan: Fan, plan: Plan, outcome: Outcome, stats) -> None:

@@ -28,21 +28,13 @@ import torch
 
 from specforge.engine.cache import crop_cache
 from specforge.engine.draft import DraftEngine
-from specforge.engine.generation import warp_probs
 from specforge.engine.target import TargetEngine
 from specforge.errors import UserError
 from specforge.serving.adaptive import CostModel, calibrate
-from specforge.serving.policy import (
-    AUTO_MAX_SIBLINGS,
-    Context,
-    LookupOnly,
-    Outcome,
-    Plan,
-    checked_depth,
-    new_policy,
-)
-from specforge.serving.proposers import eagle_proposer
+from specforge.serving.drafting import Drafting
+from specforge.serving.policy import Context, LookupOnly, Outcome, Plan, new_policy
 from specforge.serving.proposers.base import Proposer
+from specforge.serving.proposers.eagle import EagleProposer
 from specforge.serving.sampling import accept_sampling, sample
 from specforge.serving.stats import SpecStats
 from specforge.serving.tree import DraftTree, accept_greedy
@@ -68,26 +60,13 @@ class SpeculativeDecoder:
         proposer: the draft family's proposer factory
             (:attr:`specforge.families.base.DraftFamily.proposer`: refuses the settings
             the family cannot run); default: an EAGLE-3 draft's
-            (:func:`~specforge.serving.proposers.eagle_proposer`).
-        num_steps: draft depth (tokens per chain), or ``"auto"``: each round the depth in
-            ``0 .. AUTO_MAX_DEPTH`` with the most expected tokens per second, decided token
-            by token from the draft's calibrated confidence when greedy, from the position
-            estimates when sampling (:mod:`specforge.serving.adaptive`; chains only).
-        topk: branches per step; 1 drafts a chain.
-        num_draft_tokens: tree size including the root (tree drafting only).
-        temperature: 0 verifies greedily; > 0 samples (lossless rejection sampling).
-        top_p: nucleus filtering of the target distribution when sampling.
-        max_siblings: greedy ``auto``: at most this many further candidates for the first
-            draft position verified beside the chain where the costs say they pay (0:
-            chains only; none on a target whose attention cannot verify a tree).
-        lookup_tokens: greedy ``auto``: prompt lookup's up to this many tokens (may pass
-            ``num_steps``; :func:`~specforge.engine.prompt_lookup.longest_match`) are
-            verified instead of the draft's, or beside them in one tree, in a round where
-            their acceptance promises more tokens per second (0: the draft's always).
+            (:class:`~specforge.serving.proposers.eagle.EagleProposer`).
+        settings: :class:`~specforge.serving.drafting.Drafting`'s (``num_steps``, ``topk``,
+            ``temperature``, ``max_siblings``, ...).
         engine: a :class:`~specforge.engine.target.TargetEngine` over ``target_model`` that
             runs its forwards, or ``None``: transformers' forward with a growing cache.
-        draft_engine: runs a chain's draft forwards (:class:`~specforge.engine.draft.
-            DraftEngine`); default: CUDA graphs where ``engine`` replays them, else none.
+        draft_engine: what runs a chain's draft forwards, handed to the proposer (EAGLE-3's
+            default: CUDA graphs where ``engine`` replays them).
 
     Raises:
         UserError: inconsistent drafting settings, or a target the runtime cannot serve
@@ -101,46 +80,22 @@ class SpeculativeDecoder:
         *,
         aux_layer_ids: list[int],
         proposer=None,
-        num_steps: int | str = 5,
-        topk: int = 1,
-        num_draft_tokens: int | None = None,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        max_siblings: int = AUTO_MAX_SIBLINGS,
-        lookup_tokens: int = 0,
         engine: TargetEngine | None = None,
         draft_engine: DraftEngine | None = None,
+        **settings,
     ):
-        self.auto = num_steps == "auto"
-        num_steps = checked_depth(num_steps, topk, num_draft_tokens, max_siblings)
+        self.drafting = drafting = Drafting(**settings)
         self.verifier = TargetVerifier(target_model, aux_layer_ids=aux_layer_ids, engine=engine)
-        if topk > 1 and self.verifier.tree_refusal:
+        if drafting.topk > 1 and self.verifier.tree_refusal:
             raise UserError(self.verifier.tree_refusal)
-        self.target, self.engine = target_model, engine
-        self.aux_layer_ids, self.num_steps = list(aux_layer_ids), num_steps
-        self.topk, self.num_draft_tokens = topk, num_draft_tokens
-        self.temperature, self.top_p = temperature, top_p
+        self.target, self.engine, self.aux_layer_ids = target_model, engine, list(aux_layer_ids)
+        self.num_steps = drafting.depth
         self.generator: torch.Generator | None = None
         self.device = next(target_model.parameters()).device
-        sampling = {"temperature": temperature, "top_p": top_p}
-        self.proposer = (proposer or eagle_proposer)(
-            draft_model,
-            num_steps=num_steps,
-            topk=topk,
-            auto=self.auto,
-            engine=engine,
-            draft_engine=draft_engine,
-            **sampling,
-        )
-        self.policy = new_policy(
-            num_steps,
-            auto=self.auto,
-            max_siblings=max_siblings,
-            lookup_tokens=lookup_tokens,
-            trees=self.verifier.tree_refusal is None,
-            device=self.device,
-            **sampling,
-        )
+        engines = {"engine": engine, "draft_engine": draft_engine}
+        self.proposer = (proposer or EagleProposer)(draft_model, drafting, **engines)
+        trees = self.verifier.tree_refusal is None
+        self.policy = new_policy(drafting, trees=trees, device=self.device)
 
     @classmethod
     def prompt_lookup(cls, engine: TargetEngine, num_tokens: int) -> SpeculativeDecoder:
@@ -152,7 +107,7 @@ class SpeculativeDecoder:
             engine.model,
             None,
             aux_layer_ids=engine.aux_layer_ids,
-            proposer=lambda draft_model, **_: Proposer(),
+            proposer=lambda draft_model, drafting, **_: Proposer(draft_model, drafting),
             num_steps=num_tokens,
             engine=engine,
         )
@@ -168,11 +123,7 @@ class SpeculativeDecoder:
     @property
     def draft_engine(self) -> DraftEngine | None:
         """What runs a chain's draft forwards (CUDA graphs), or ``None``."""
-        return self.proposer.engine
-
-    @property
-    def sampling(self) -> bool:
-        return self.temperature > 0
+        return self.proposer.draft_engine
 
     @torch.no_grad()
     def calibrate(self, input_ids: torch.Tensor, *, context: int = 256) -> CostModel:
@@ -215,7 +166,7 @@ class SpeculativeDecoder:
     def _widest(self) -> int:
         """The most tokens a round's verification forward runs."""
         siblings, _ = self.policy.widths()
-        return 1 + max(self._widest_chain, self.num_draft_tokens or 0) + siblings
+        return 1 + max(self._widest_chain, self.drafting.num_draft_tokens or 0) + siblings
 
     @property
     def _widest_chain(self) -> int:
@@ -240,9 +191,8 @@ class SpeculativeDecoder:
         plan = self.policy.plan(self.proposer, context)
         if plan.tree is None and not plan.depth:
             plan.tree = DraftTree.chain(torch.empty(0, dtype=torch.long, device=self.device))
-        elif plan.tree is None and self.topk > 1:
-            shape = {"topk": self.topk, "num_draft_tokens": self.num_draft_tokens}
-            plan.tree = self.proposer.tree(num_steps=self.num_steps, **shape).within(plan.depth)
+        elif plan.tree is None and self.drafting.topk > 1:
+            plan.tree = self.proposer.tree().within(plan.depth)
         elif plan.tree is None:
             plan.tree = DraftTree.chain(*self.proposer.chain(plan.depth))
         if not plan.dormant:
@@ -258,9 +208,8 @@ class SpeculativeDecoder:
         target_logits, aux = self.verifier.verify(tree, next_token, length, target_cache)
         seconds = self._clock() - start
         stats.verify_seconds += seconds
-        if self.sampling:
-            target_probs = warp_probs(target_logits, self.temperature, self.top_p)
-            path, bonus = accept_sampling(tree, target_probs, self.generator)
+        if self.drafting.sampling:
+            path, bonus = accept_sampling(tree, self.drafting.warp(target_logits), self.generator)
         else:
             path, bonus = accept_greedy(tree, target_logits)
         outcome = Outcome(plan.depth, path, bonus, target_logits, seconds)
@@ -269,8 +218,8 @@ class SpeculativeDecoder:
 
     def _plain_token(self, logits: torch.Tensor) -> int:
         """The target's next token from its own logits (the prefill's)."""
-        if self.sampling:
-            return sample(warp_probs(logits, self.temperature, self.top_p), self.generator)
+        if self.drafting.sampling:
+            return sample(self.drafting.warp(logits), self.generator)
         return int(logits.argmax())
 
     # -- a sequence ----------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from specforge.serving.adaptive import (
     round_rate,
     tree_rate,
 )
+from specforge.serving.drafting import Drafting
 from specforge.serving.policy import Fan, new_policy
 from specforge.serving.proposers.lookup import PromptLookup
 from specforge.serving.sampling import accept_sampling
@@ -33,15 +34,8 @@ CPU_COSTS = CostModel(
 )
 
 
-GREEDY_AUTO = {
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "max_siblings": 3,
-    "lookup_tokens": 0,
-    "trees": True,
-    "device": torch.device("cpu"),
-}
-"""Greedy ``auto``'s policy settings for a CPU target that verifies trees."""
+GREEDY_AUTO = Drafting(num_steps="auto", max_siblings=3)
+"""Greedy ``auto``'s settings."""
 
 
 class FixedCosts(CostModel):
@@ -298,10 +292,21 @@ def test_auto_refuses_trees(target):  # noqa: F811
         SpeculativeDecoder(target, None, aux_layer_ids=[1, 1, 0], num_steps="auto", max_siblings=8)
 
 
+def test_the_runtime_its_policy_and_its_proposer_read_one_settings_record(target):  # noqa: F811
+    decoder = SpeculativeDecoder(
+        target, StubDraft([0] * 8, lambda t: True, VOCAB), aux_layer_ids=[1, 1, 0], num_steps="auto"
+    )
+    assert decoder.proposer.drafting is decoder.policy.drafting is decoder.drafting
+    assert decoder.drafting.depth == decoder.num_steps == AUTO_MAX_DEPTH
+    # a misspelt setting is refused by name, not ignored
+    with pytest.raises(TypeError, match="num_step"):
+        SpeculativeDecoder(target, None, aux_layer_ids=[1, 1, 0], num_step=3)
+
+
 def test_siblings_are_verified_where_a_wider_verification_costs_little_and_not_where_it_costs():
     flat = CostModel(verify=[0.036] * 8, draft_step=0.0015)
     steep = CostModel(verify=[0.016 + 0.02 * n for n in range(1, 9)], draft_step=0.0015)
-    policy = new_policy(7, auto=True, **GREEDY_AUTO)
+    policy = new_policy(GREEDY_AUTO, trees=True, device=torch.device("cpu"))
     # siblings whose calibrated acceptance is their q (the prior, nothing learnt yet)
     ranked = [(11, 0.2), (12, 0.1), (13, 0.05)]
 

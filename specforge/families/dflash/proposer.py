@@ -35,16 +35,11 @@ class DFlashProposer(Proposer):
 
     Args:
         draft_model: the draft, in any dtype: its logits are read in float32.
-        temperature, top_p: sampling (:class:`~specforge.serving.proposers.base.Proposer`).
+        drafting: the runtime's settings (:class:`~specforge.serving.proposers.base.Proposer`).
     """
 
     draft_model: DFlashDraftModel
     state: BlockState | None
-
-    def __init__(self, draft_model: DFlashDraftModel, *, temperature: float = 0.0, top_p=1.0):
-        super().__init__(draft_model, temperature=temperature, top_p=top_p)
-        self.depth = draft_model.config.block_size - 1
-        """The most tokens a block proposes."""
 
     def start(self, tokens: torch.Tensor, aux: torch.Tensor, capacity: int) -> None:
         """A new sequence: the prompt's target states ``aux`` (1, T, F) as context; the last of

@@ -132,12 +132,11 @@ def write_export(out_dir, *, model, target_config, aux_layer_ids, dtype, tokeniz
     )
 
 
-def proposer(draft_model, *, num_steps, topk, auto, engine, draft_engine, temperature, top_p):
+def proposer(draft_model, drafting, *, engine, draft_engine):
     """A block a round: a chain of at most ``block_size - 1`` tokens at a fixed depth."""
     deepest = FAMILY.capabilities.max_depth(draft_model.config)
-    what = "a DFlash draft proposes one block a round"
-    check_one_forward(what, deepest, num_steps=num_steps, topk=topk, auto=auto)
-    return DFlashProposer(draft_model, temperature=temperature, top_p=top_p)
+    check_one_forward("a DFlash draft proposes one block a round", deepest, drafting)
+    return DFlashProposer(draft_model, drafting)
 
 
 def export_draft_config(export_dir: Path) -> DFlashConfig:

@@ -31,7 +31,7 @@ from specforge.serving.export import (
     load_exported_draft,
     write_export,
 )
-from specforge.serving.proposers import eagle_proposer
+from specforge.serving.proposers.eagle import EagleProposer
 from specforge.trainer.metrics import ttt_metrics
 from specforge.trainer.ttt import TTTObjective
 
@@ -209,7 +209,7 @@ FAMILY = DraftFamily(
         export_dir, text_config(target).num_hidden_layers
     ),
     draft_config=export_draft_config,
-    proposer=eagle_proposer,
+    proposer=EagleProposer,
     capabilities=Capabilities(
         auto_depth=True,
         trees=True,

@@ -81,13 +81,13 @@ def export_checks(export_dir: Path, exported: dict, tensors: dict, target_config
     ]
 
 
-def proposer(draft_model, *, num_steps, topk, auto, engine, draft_engine, temperature, top_p):
+def proposer(draft_model, drafting, *, engine, draft_engine):
     """A chain in one forward, at most ``parallel_draft_tokens`` deep (the depth it was
     trained to), at a fixed depth."""
     deepest = FAMILY.capabilities.max_depth(draft_model.config)
     what = "a P-EAGLE draft proposes a chain in one forward, as deep as it was trained to"
-    check_one_forward(what, deepest, num_steps=num_steps, topk=topk, auto=auto)
-    return PEagleProposer(draft_model, depth=num_steps, temperature=temperature, top_p=top_p)
+    check_one_forward(what, deepest, drafting)
+    return PEagleProposer(draft_model, drafting)
 
 
 def export_draft_config(export_dir: Path) -> PEagleConfig:

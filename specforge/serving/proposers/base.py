@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from specforge.engine.generation import warp_probs
+from specforge.serving.drafting import Drafting
 
 
 class Proposer:
@@ -15,30 +15,26 @@ class Proposer:
 
     Args:
         draft_model: the draft (``None``: no draft).
-        temperature, top_p: sampling (``temperature > 0``): tokens are drawn from the draft's
+        drafting: the runtime's settings; when sampling, tokens are drawn from the draft's
             warped distributions, returned beside them for verification.
     """
 
-    engine = None
+    draft_engine = None
     """What runs the draft's forwards (CUDA graphs), where a proposer has one."""
 
-    def __init__(self, draft_model=None, *, temperature: float = 0.0, top_p: float = 1.0):
-        self.draft_model, self.temperature, self.top_p = draft_model, temperature, top_p
+    def __init__(self, draft_model=None, drafting: Drafting | None = None):
+        self.draft_model, self.drafting = draft_model, drafting or Drafting()
         self.generator: torch.Generator | None = None
         """Seeds sampling (set by the runtime per request)."""
         self.state = None
         """One sequence's draft state."""
 
-    @property
-    def sampling(self) -> bool:
-        return self.temperature > 0
-
     def draw(self, logits: torch.Tensor):
         """Tokens from ``logits`` (K, V) (float32 whatever the draft's dtype), one a row: the
         most likely, or drawn from the warped distributions, returned beside them (K, V)."""
-        if not self.sampling:
+        if not self.drafting.sampling:
             return logits.argmax(-1), None
-        q = warp_probs(logits.float(), self.temperature, self.top_p)
+        q = self.drafting.warp(logits.float())
         return torch.multinomial(q, 1, generator=self.generator)[:, 0], q
 
     def start(self, tokens: torch.Tensor, aux: torch.Tensor, capacity: int) -> None:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from specforge.engine.cache import SlotKVCache, crop_cache
-from specforge.engine.draft import DraftEngine
-from specforge.engine.generation import warp_probs
+from specforge.engine.draft import chain_draft_engine
 from specforge.models.eagle3 import DraftKVCache, Eagle3DraftModel
 from specforge.serving.adaptive import first_acceptance
+from specforge.serving.drafting import Drafting
 from specforge.serving.proposers.base import Proposer
 from specforge.serving.tree import build_tree
 
@@ -50,34 +50,31 @@ class EagleProposer(Proposer):
 
     Args:
         draft_model: the draft, in any dtype: its logits are read in float32.
-        depth: the deepest chain a round drafts (a cache holds room for it).
-        engine: runs a chain's draft forwards (:class:`~specforge.engine.draft.DraftEngine`),
-            or ``None``: the model's own forward with a growing cache.
-        temperature, top_p: sampling (:class:`~specforge.serving.proposers.base.Proposer`).
+        drafting: the runtime's settings (a cache holds room for their deepest chain).
+        engine: the target's engine (:class:`~specforge.engine.target.TargetEngine`), or
+            ``None``.
+        draft_engine: runs a chain's draft forwards (:class:`~specforge.engine.draft.
+            DraftEngine`); default: CUDA graphs where ``engine`` replays them
+            (:func:`~specforge.engine.draft.chain_draft_engine`), else the model's own
+            forward with a growing cache.
     """
 
     draft_model: Eagle3DraftModel
     state: DraftState | None
 
     def __init__(
-        self,
-        draft_model: Eagle3DraftModel,
-        *,
-        depth: int,
-        engine: DraftEngine | None = None,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
+        self, draft_model: Eagle3DraftModel, drafting: Drafting, *, engine=None, draft_engine=None
     ):
-        super().__init__(draft_model, temperature=temperature, top_p=top_p)
-        self.engine, self.depth = engine, depth
+        super().__init__(draft_model, drafting)
+        self.draft_engine = chain_draft_engine(draft_model, drafting.topk, engine, draft_engine)
 
     # -- forwards ------------------------------------------------------------------------------
 
     def new_cache(self, tokens: int):
         """An empty draft cache with room for ``tokens`` plus the deepest chain."""
-        if self.engine is None:
+        if self.draft_engine is None:
             return DraftKVCache()
-        return self.engine.new_cache(tokens + self.depth + 1)
+        return self.draft_engine.new_cache(tokens + self.drafting.depth + 1)
 
     @torch.no_grad()
     def extend(self, tokens: torch.Tensor, aux: torch.Tensor, start: int, cache):
@@ -85,7 +82,7 @@ class EagleProposer(Proposer):
         target feature at ``t`` each); returns the last position's logits and hidden state."""
         if isinstance(cache, SlotKVCache):  # through the draft engine: positions are slots
             _check_slot(cache, start)
-            return self.engine.forward(tokens, aux, cache, extend=True)
+            return self.draft_engine.forward(tokens, aux, cache, extend=True)
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
         logits, hidden = self.draft_model(
             tokens, self.draft_model.fuse(aux), positions, cache=cache, logits_to_keep=1
@@ -98,7 +95,7 @@ class EagleProposer(Proposer):
         the next logits (float32 whatever the draft's dtype) and hidden state."""
         if isinstance(cache, SlotKVCache):
             _check_slot(cache, position)
-            return self.engine.forward(token[None], hidden, cache, extend=False)
+            return self.draft_engine.forward(token[None], hidden, cache, extend=False)
         step_position = torch.tensor([[position]], device=token.device)
         step_logits, hidden = self.draft_model(token[None], hidden, step_position, cache=cache)
         return step_logits[0, -1].float(), hidden
@@ -126,7 +123,7 @@ class EagleProposer(Proposer):
         most likely and, with ``confidence``, their probabilities (K,) (else ``None``);
         sampling, drawn (:meth:`draw`) with their distributions on the target vocabulary
         (K, V)."""
-        if confidence and not self.sampling:
+        if confidence and not self.drafting.sampling:
             q, draft_ids = logits.float().softmax(-1).max(-1)
             return self.draft_model.to_target_ids(draft_ids), q
         draft_ids, q = self.draw(logits)
@@ -144,7 +141,7 @@ class EagleProposer(Proposer):
         drawn = [next(walk), *(walk.send(True) for _ in range(steps - 1))]
         walk.close()
         tokens = torch.cat([token for token, _ in drawn])
-        return tokens, (torch.cat([dist for _, dist in drawn]) if self.sampling else None)
+        return tokens, (torch.cat([dist for _, dist in drawn]) if self.drafting.sampling else None)
 
     def walk(self, *, confidence: bool = False):
         """Drafting step by step (a chain; greedy ``auto`` token by token): a generator that
@@ -164,7 +161,7 @@ class EagleProposer(Proposer):
         """The chance that sampling verification accepts the draft's next token, drawn as
         :meth:`token` draws it, against the target's distribution ``target_probs`` (V,)
         (:func:`~specforge.serving.adaptive.first_acceptance` on the draft vocabulary)."""
-        draft_probs = warp_probs(self.state.logits, self.temperature, self.top_p)
+        draft_probs = self.drafting.warp(self.state.logits)
         return first_acceptance(draft_probs, target_probs[self.draft_model.hot_ids])
 
     def candidates(self, count: int) -> list[tuple[int, float]]:
@@ -176,19 +173,19 @@ class EagleProposer(Proposer):
         return list(zip(target_ids.tolist(), q.tolist(), strict=True))
 
     @torch.no_grad()
-    def tree(self, *, topk: int, num_steps: int, num_draft_tokens: int):
-        """A tree of ``num_draft_tokens`` nodes, ``topk`` branches a step, ``num_steps``
-        levels (:func:`~specforge.serving.tree.build_tree`)."""
-        state = self.state
+    def tree(self):
+        """A tree of the settings' ``num_draft_tokens`` nodes, ``topk`` branches a step,
+        ``num_steps`` levels (:func:`~specforge.serving.tree.build_tree`)."""
+        state, drafting = self.state, self.drafting
         return build_tree(
             self.draft_model,
             state.logits,
             state.hidden,
             last_position=state.length,
             cache=state.cache,
-            topk=topk,
-            num_steps=num_steps,
-            num_draft_tokens=num_draft_tokens,
+            topk=drafting.topk,
+            num_steps=drafting.depth,
+            num_draft_tokens=drafting.num_draft_tokens,
         )
 
     # -- a sequence's state --------------------------------------------------------------------
