@@ -85,6 +85,7 @@ class Plan:
     fan: Fan | None = None
     """Greedy ``auto``: what the round weighed, to learn from."""
     paths: list[list[int]] = field(default_factory=list)
+    """Greedy ``auto``: each part's nodes in :attr:`tree`, in :meth:`Fan.chains`'s order."""
     dormant: bool = False
     """A round the draft sleeps through (:class:`~specforge.serving.adaptive.Dormancy`): the
     target decodes one token alone."""
