@@ -35,7 +35,7 @@ class DFlashProposer(Proposer):
 
     Args:
         draft_model: the draft, in any dtype: its logits are read in float32.
-        drafting: the runtime's settings (:class:`~specforge.serving.proposers.base.Proposer`).
+        drafting: the runtime's settings (:class:`~specforge.serving.drafting.Drafting`).
     """
 
     draft_model: DFlashDraftModel

@@ -1,6 +1,6 @@
 """What every proposer shares: the proposer protocol's verbs (each doing nothing here: the
 proposer of a runtime without a draft, the prompt-lookup baseline's, whose policy proposes
-every round's tokens), the decoding's sampling settings and the drawing of tokens from a
+every round's tokens), the runtime's settings and the drawing of tokens from a
 proposal's logits."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ class Proposer:
     draft_engine = None
     """What runs the draft's forwards (CUDA graphs), where a proposer has one."""
 
-    def __init__(self, draft_model=None, drafting: Drafting | None = None):
-        self.draft_model, self.drafting = draft_model, drafting or Drafting()
+    def __init__(self, draft_model, drafting: Drafting):
+        self.draft_model, self.drafting = draft_model, drafting
         self.generator: torch.Generator | None = None
         """Seeds sampling (set by the runtime per request)."""
         self.state = None
